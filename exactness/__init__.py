@@ -1,0 +1,24 @@
+"""exactness: exact int4 linear layers for Kimi K2 native checkpoints, and their verifier.
+
+Dataflow of the package: contract -> formats -> reference | kernels -> modules -> kimi.
+"""
+
+from .contract import (
+    ContractTypeError,
+    ContractValueError,
+    ExactnessError,
+    NonFiniteError,
+    ShapeError,
+)
+from .reference import oracle_linear, reference_linear
+
+__all__ = [
+    "ContractTypeError",
+    "ContractValueError",
+    "ExactnessError",
+    "NonFiniteError",
+    "ShapeError",
+    "oracle_linear",
+    "reference_linear",
+]
+__version__ = "0.1.0"

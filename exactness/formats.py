@@ -1,0 +1,213 @@
+"""Storage formats, in integer arithmetic only.
+
+- pack / unpack of 4- and 8-bit weights in compressed-tensors' "pack-quantized" layout;
+- float bit patterns (bf16, fp16, fp32) <-> exact integer mantissa and exponent;
+- exact round-to-nearest-even of `m * 2**e` to a float bit pattern, with gradual underflow and
+  overflow to inf.
+
+Each float routine comes twice: a scalar one in Python integers (the specification, read line by
+line) and a vectorized numpy int64 one (checked against the scalar one by the suite). No float
+arithmetic anywhere: floats are only ever looked at as bit patterns.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .contract import (
+    ContractTypeError,
+    ContractValueError,
+    FloatFormat,
+    NonFiniteError,
+    ShapeError,
+    check_weight_bits,
+    float_format,
+    weight_range,
+)
+
+# --------------------------------------------------------------------------- packing
+
+
+def pack_weights(q: np.ndarray, bits: int) -> np.ndarray:
+    """Pack integers `q[n, k]` into int32 words `[N, K*bits/32]`, element k at bit bits*(k % per).
+
+    Stored unsigned as `q + 2**(bits-1)`, lowest element in the lowest bits (compressed-tensors).
+    """
+    check_weight_bits(bits)
+    q = np.asarray(q)
+    if q.ndim != 2:
+        raise ShapeError(f"weights to pack must be 2-D [N, K], got shape {q.shape}")
+    per = 32 // bits
+    if q.shape[1] % per:
+        raise ShapeError(f"K={q.shape[1]} is not a multiple of {per} ({bits}-bit packing)")
+    lo, hi = weight_range(bits)
+    bad = np.argwhere((q < lo) | (q > hi))
+    if len(bad):
+        n, k = bad[0]
+        raise ContractValueError(
+            f"weight q[{n}, {k}] = {int(q[n, k])} is outside [{lo}, {hi}] for {bits}-bit packing "
+            f"({len(bad)} values out of range)")
+    fields = (q.astype(np.int64) + 2 ** (bits - 1)).reshape(q.shape[0], -1, per)
+    shifts = np.arange(per, dtype=np.int64) * bits
+    words = (fields << shifts).sum(axis=-1)  # < 2**32: fields do not overlap
+    return words.astype(np.uint32).view(np.int32)
+
+
+def unpack_weights(packed: np.ndarray, bits: int, k: int | None = None) -> np.ndarray:
+    """Inverse of `pack_weights`: int32 words `[N, W]` -> int8 `[N, k]` (k defaults to W*per)."""
+    check_weight_bits(bits)
+    packed = np.asarray(packed)
+    if packed.dtype != np.int32:
+        raise ContractTypeError(f"packed weights must be int32, got {packed.dtype}")
+    if packed.ndim != 2:
+        raise ShapeError(f"packed weights must be 2-D [N, K/{32 // bits}], got {packed.shape}")
+    per = 32 // bits
+    k = packed.shape[1] * per if k is None else k
+    if k != packed.shape[1] * per:
+        raise ShapeError(
+            f"packed weights of shape {packed.shape} hold K={packed.shape[1] * per}, not {k}")
+    words = packed.view(np.uint32).astype(np.int64)[:, :, None]
+    shifts = np.arange(per, dtype=np.int64) * bits
+    fields = (words >> shifts) & (2**bits - 1)
+    return (fields - 2 ** (bits - 1)).reshape(packed.shape[0], k).astype(np.int8)
+
+
+# --------------------------------------------------------------------------- scalar floats
+
+
+def is_finite(bits: int, fmt: FloatFormat) -> bool:
+    return (bits >> fmt.mant_bits) & fmt.exp_max_field != fmt.exp_max_field
+
+
+def decode(bits: int, fmt: FloatFormat) -> tuple[int, int]:
+    """The finite float with pattern `bits` as (m, e), value m * 2**e exactly, m signed."""
+    if not is_finite(bits, fmt):
+        raise NonFiniteError(f"{fmt.name} pattern {bits:#x} is not finite")
+    field = (bits >> fmt.mant_bits) & fmt.exp_max_field
+    frac = bits & ((1 << fmt.mant_bits) - 1)
+    m = frac if field == 0 else frac | (1 << fmt.mant_bits)
+    e = fmt.quantum_min + max(field - 1, 0)
+    return (-m if bits & fmt.sign_bit else m), e
+
+
+def round_scaled(m: int, e: int, fmt: FloatFormat) -> int:
+    """The bit pattern of RNE(m * 2**e) in `fmt`; an exact zero is +0.0, overflow is +-inf."""
+    if m == 0:
+        return 0
+    sign = fmt.sign_bit if m < 0 else 0
+    a = abs(m)
+    p = fmt.precision
+    top = e + a.bit_length() - 1  # a * 2**e lies in [2**top, 2**(top+1))
+    q = max(top - (p - 1), fmt.quantum_min)  # exponent of the result's last place
+    if q <= e:
+        n = a << (e - q)
+    else:
+        s = q - e
+        n, rem, half = a >> s, a & ((1 << s) - 1), 1 << (s - 1)
+        if rem > half or (rem == half and n & 1):
+            n += 1
+    if n == 1 << p:  # rounding carried into a new binade
+        n, q = n >> 1, q + 1
+    if n < 1 << (p - 1):  # subnormal (or zero after underflow): exponent field 0
+        return sign | n
+    field = q + fmt.mant_bits + fmt.bias
+    if field >= fmt.exp_max_field:
+        return sign | fmt.inf_bits
+    return sign | (field << fmt.mant_bits) | (n & ((1 << fmt.mant_bits) - 1))
+
+
+# --------------------------------------------------------------------------- vectorized floats
+
+
+def finite_mask(bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
+    b = np.asarray(bits).astype(np.int64) & ((1 << fmt.width) - 1)
+    return ((b >> fmt.mant_bits) & fmt.exp_max_field) != fmt.exp_max_field
+
+
+def check_finite(bits: np.ndarray, fmt: FloatFormat, name: str) -> None:
+    """Raise NonFiniteError naming `name`, the count and the first bad index."""
+    bad = ~finite_mask(bits, fmt)
+    if bad.any():
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        raise NonFiniteError(
+            f"{name} has {int(bad.sum())} non-finite value(s); the first at index {first}")
+
+
+def decode_array(bits: np.ndarray, fmt: FloatFormat) -> tuple[np.ndarray, np.ndarray]:
+    """Vectorized `decode` of finite patterns: int64 (m, e) arrays."""
+    b = np.asarray(bits).astype(np.int64) & ((1 << fmt.width) - 1)
+    field = (b >> fmt.mant_bits) & fmt.exp_max_field
+    frac = b & ((1 << fmt.mant_bits) - 1)
+    m = np.where(field == 0, frac, frac | (1 << fmt.mant_bits))
+    e = fmt.quantum_min + np.maximum(field - 1, 0)
+    return np.where(b & fmt.sign_bit, -m, m), e
+
+
+def bit_length_array(a: np.ndarray) -> np.ndarray:
+    """Bit length of non-negative int64 values, by binary search on shifts."""
+    x = a.astype(np.int64).copy()
+    length = np.zeros_like(x)
+    for s in (32, 16, 8, 4, 2, 1):
+        big = (x >> s) != 0
+        x = np.where(big, x >> s, x)
+        length += np.where(big, s, 0)
+    return length + (x != 0)
+
+
+def round_scaled_array(m: np.ndarray, e: np.ndarray, fmt: FloatFormat) -> np.ndarray:
+    """Vectorized `round_scaled` for |m| < 2**63: int64 array of bit patterns."""
+    m = np.asarray(m, dtype=np.int64)
+    e = np.broadcast_to(np.asarray(e, dtype=np.int64), m.shape)
+    p = fmt.precision
+    a = np.abs(m)  # |m| < 2**63 by the caller's bound, so this does not wrap
+    length = bit_length_array(a)
+    q = np.maximum(e + length - 1 - (p - 1), fmt.quantum_min)
+    s = q - e
+    # s > length: a < 2**(s-1), half an ulp: rounds to zero; clip so every shift is in [0, 63].
+    vanish = s > length
+    left = np.clip(-s, 0, 63)
+    right = np.clip(s, 0, 63)
+    half = np.where(right > 0, np.int64(1) << np.maximum(right - 1, 0), 0)
+    rem = a & ((np.int64(1) << right) - 1)
+    n = np.where(s <= 0, a << left, a >> right)
+    up = (s > 0) & ((rem > half) | ((rem == half) & (n & 1 == 1)))
+    n = np.where(vanish, 0, n + up)
+    carry = n == (1 << p)
+    n = np.where(carry, n >> 1, n)
+    q = q + carry
+    field = q + fmt.mant_bits + fmt.bias
+    normal = n >= (1 << (p - 1))
+    bits = np.where(
+        normal,
+        np.where(field >= fmt.exp_max_field, fmt.inf_bits,
+                 (field << fmt.mant_bits) | (n & ((1 << fmt.mant_bits) - 1))),
+        n)
+    bits = bits | np.where(m < 0, fmt.sign_bit, 0)
+    return np.where(m == 0, 0, bits)
+
+
+# --------------------------------------------------------------------------- torch bit views
+
+_TORCH = {"bfloat16": (torch.bfloat16, torch.int16), "float16": (torch.float16, torch.int16),
+          "float32": (torch.float32, torch.int32)}
+
+
+def torch_dtype(fmt: FloatFormat | str) -> torch.dtype:
+    return _TORCH[float_format(fmt).name][0]
+
+
+def tensor_to_bits(t: torch.Tensor) -> np.ndarray:
+    """The unsigned bit patterns of a bf16 / fp16 / fp32 tensor, as int64."""
+    fmt = float_format(t.dtype)
+    raw = t.detach().cpu().contiguous().view(_TORCH[fmt.name][1]).numpy().astype(np.int64)
+    return raw & ((1 << fmt.width) - 1)
+
+
+def bits_to_tensor(bits: np.ndarray, fmt: FloatFormat | str) -> torch.Tensor:
+    """A tensor of format `fmt` whose elements have the given bit patterns."""
+    fmt = float_format(fmt)
+    b = np.asarray(bits).astype(np.int64)
+    signed = np.where(b >= fmt.sign_bit, b - (1 << fmt.width), b)
+    int_dtype = _TORCH[fmt.name][1]
+    return torch.from_numpy(signed).to(int_dtype).view(_TORCH[fmt.name][0])

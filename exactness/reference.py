@@ -1,0 +1,167 @@
+"""The contract end to end in integer arithmetic, on bit patterns in and out.
+
+Two layers:
+- `oracle_linear`: plain Python integers and Fractions, short enough to check line by line
+  against shared/contract.md;
+- `reference_linear`: vectorized numpy int64 for full sizes. Its int64 steps are safe by the bounds
+  of `dataflow` (proved in proofs/); rows whose scale-exponent spread breaks them are computed
+  with Python integers instead.
+
+Inputs: `x_bits` [M, K] patterns of `x_format`; `weight_packed` int32 [N, K*w_bits/32];
+`scale_bits` bf16 patterns [N, K/32]. Output: patterns of `out_format` [M, N].
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import numpy as np
+
+from . import dataflow
+from .contract import (
+    BFLOAT16,
+    GROUP_SIZE,
+    ShapeError,
+    act_qmax,
+    check_act_bits,
+    check_in_features,
+    check_weight_bits,
+    float_format,
+)
+from .formats import (
+    bit_length_array,
+    check_finite,
+    decode,
+    decode_array,
+    round_scaled,
+    round_scaled_array,
+    unpack_weights,
+)
+
+# --------------------------------------------------------------------------- the oracle
+
+
+def _exact(bits: int, fmt) -> Fraction:
+    m, e = decode(bits, fmt)
+    return Fraction(m) * Fraction(2) ** e
+
+
+def oracle_quantize_row(row_bits, x_format, act_bits: int) -> tuple[list[int], int]:
+    """Contract section 3 for one row: (qa, e_r); a zero row gives zeros and e_r = 0."""
+    qmax = act_qmax(act_bits)
+    xs = [_exact(int(b), float_format(x_format)) for b in row_bits]
+    amax = max(abs(v) for v in xs)
+    if amax == 0:
+        return [0] * len(xs), 0
+    e = 0
+    while amax > qmax * Fraction(2) ** e:  # smallest e with amax <= Qa * 2**e
+        e += 1
+    while amax <= qmax * Fraction(2) ** (e - 1):
+        e -= 1
+    return [round(v / Fraction(2) ** e) for v in xs], e  # round(): half to even
+
+
+def oracle_linear(x_bits, x_format, weight_packed, scale_bits, *, act_bits: int = 16,
+                  out_format=None, w_bits: int = 4) -> list[list[int]]:
+    """y[r][n] = RNE(2**e_r * sum_g s[n,g] * sum_k qa[r,k] * qw[n,k]) in plain Python numbers."""
+    out_format = float_format(out_format or x_format)
+    per = 32 // w_bits
+    mask, offset = 2**w_bits - 1, 2 ** (w_bits - 1)
+    qw = [[((int(w) & 0xFFFFFFFF) >> (w_bits * j) & mask) - offset for w in row for j in range(per)]
+          for row in np.asarray(weight_packed).tolist()]
+    s = [[_exact(int(b), BFLOAT16) for b in row] for row in np.asarray(scale_bits).tolist()]
+    out = []
+    for row in np.asarray(x_bits).tolist():
+        qa, e = oracle_quantize_row(row, x_format, act_bits)
+        y_row = []
+        for qw_n, s_n in zip(qw, s, strict=True):
+            y = Fraction(0)
+            for g, s_ng in enumerate(s_n):
+                ks = range(GROUP_SIZE * g, GROUP_SIZE * (g + 1))
+                y += s_ng * sum(qa[k] * qw_n[k] for k in ks)
+            y *= Fraction(2) ** e
+            # y is dyadic: numerator * 2**-log2(denominator)
+            y_row.append(round_scaled(y.numerator, 1 - y.denominator.bit_length(), out_format))
+        out.append(y_row)
+    return out
+
+
+# --------------------------------------------------------------------------- numpy reference
+
+
+def check_linear_inputs(x_bits, x_format, weight_packed, scale_bits, act_bits, w_bits):
+    """Validate shapes, widths and finiteness; return (x_bits, packed, scale_bits) as arrays."""
+    check_act_bits(act_bits)
+    check_weight_bits(w_bits)
+    x_format = float_format(x_format)
+    x_bits, packed, scale_bits = map(np.asarray, (x_bits, weight_packed, scale_bits))
+    if x_bits.ndim != 2:
+        raise ShapeError(f"x must be 2-D [M, K] here, got shape {x_bits.shape}")
+    k = check_in_features(x_bits.shape[1], "x.shape[-1] (K)")
+    n = packed.shape[0]
+    if packed.shape != (n, k * w_bits // 32):
+        raise ShapeError(
+            f"weight_packed has shape {packed.shape}, expected [N, {k * w_bits // 32}] for K={k}")
+    if scale_bits.shape != (n, k // GROUP_SIZE):
+        raise ShapeError(
+            f"weight_scale has shape {scale_bits.shape}, expected [{n}, {k // GROUP_SIZE}]")
+    check_finite(x_bits, x_format, "x")
+    check_finite(scale_bits, BFLOAT16, "weight_scale")
+    return x_bits, packed, scale_bits
+
+
+def quantize_activations(x_bits: np.ndarray, x_format, act_bits: int):
+    """Contract section 3, vectorized: (qa int64 [M, K], e_r int64 [M]); zero rows get e_r = 0."""
+    fmt = float_format(x_format)
+    qmax = act_qmax(act_bits)
+    m, e = decode_array(x_bits, fmt)
+    # |x| orders like the magnitude bits of its pattern, so amax is found without decoding all.
+    mag = np.asarray(x_bits).astype(np.int64) & fmt.abs_mask
+    am, ae = decode_array(mag.max(axis=1, initial=0), fmt)
+    # smallest t with am <= Qa * 2**t is t0 or t0 + 1 (t0 from the bit lengths); e_r = ae + t
+    t0 = bit_length_array(am) - qmax.bit_length()
+    fits = np.where(t0 >= 0, am <= (qmax << np.maximum(t0, 0)), (am << np.maximum(-t0, 0)) <= qmax)
+    e_r = np.where(am == 0, 0, ae + t0 + np.where(fits, 0, 1))
+    # qa = RNE(m * 2**(e - e_r)): an exact left shift or a rounded right shift
+    s = e - e_r[:, None]
+    a = np.abs(m)
+    right = np.clip(-s, 0, 62)  # |m| < 2**25, so shifts past 26 give 0 and stay below half
+    n = np.where(s >= 0, a << np.clip(s, 0, 62), a >> right)
+    rem = a & ((np.int64(1) << right) - 1)
+    half = np.where(right > 0, np.int64(1) << np.maximum(right - 1, 0), 0)
+    n = n + ((s < 0) & ((rem > half) | ((rem == half) & (n & 1 == 1))))
+    return np.where(m < 0, -n, n), e_r
+
+
+def split_scales(scale_bits: np.ndarray):
+    """bf16 scales as (ms, es, emin): s = ms * 2**es, emin[n] the least es among nonzero scales."""
+    ms, es = decode_array(scale_bits, BFLOAT16)
+    big = np.iinfo(np.int64).max
+    emin = np.where(ms != 0, es, big).min(axis=1)
+    emin = np.where(emin == big, 0, emin)
+    spread = np.where(ms != 0, es - emin[:, None], 0).max(axis=1)
+    return ms, es, emin, spread
+
+
+def reference_linear(x_bits, x_format, weight_packed, scale_bits, *, act_bits: int = 16,
+                     out_format=None, w_bits: int = 4) -> np.ndarray:
+    """The contract, vectorized in int64 with a Python-int fallback per weight row."""
+    x_bits, packed, scale_bits = check_linear_inputs(
+        x_bits, x_format, weight_packed, scale_bits, act_bits, w_bits)
+    out_format = float_format(out_format or x_format)
+    k = x_bits.shape[1]
+    groups = k // GROUP_SIZE
+    qa, e_r = quantize_activations(x_bits, x_format, act_bits)
+    qw = unpack_weights(packed, w_bits, k).astype(np.int64).reshape(-1, groups, GROUP_SIZE)
+    ms, es, emin, spread = split_scales(scale_bits)
+    safe = spread <= dataflow.max_safe_spread(k, w_bits, act_bits)
+    shift = np.where(ms != 0, es - emin[:, None], 0)
+    out = np.empty((x_bits.shape[0], qw.shape[0]), dtype=np.int64)
+    for r in range(x_bits.shape[0]):
+        p = np.einsum("ngk,gk->ng", qw, qa[r].reshape(groups, GROUP_SIZE))  # |P| < 2**24
+        t = ((p * ms) << np.where(safe[:, None], shift, 0)).sum(axis=1)  # int64 by the bound
+        out[r] = round_scaled_array(t, e_r[r] + emin, out_format)
+        for n in np.flatnonzero(~safe):  # spread too wide for int64: exact Python integers
+            t_n = sum(int(p[n, g]) * int(ms[n, g]) << int(shift[n, g]) for g in range(groups))
+            out[r, n] = round_scaled(t_n, int(e_r[r] + emin[n]), out_format)
+    return out

@@ -1,0 +1,1 @@
+"""Z3 proofs of the accumulator bounds of the kernel dataflow (exactness/dataflow.py)."""

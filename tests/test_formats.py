@@ -1,0 +1,160 @@
+"""Packing and float formats against their real peers: compressed-tensors, numpy and torch."""
+
+import math
+
+import numpy as np
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import (
+    pack_to_int32,
+    unpack_from_int32,
+)
+from hypothesis import given
+from hypothesis import strategies as st
+
+from exactness.contract import BFLOAT16, FLOAT16, FLOAT32, FORMATS
+from exactness.formats import (
+    bits_to_tensor,
+    decode,
+    decode_array,
+    pack_weights,
+    round_scaled,
+    round_scaled_array,
+    tensor_to_bits,
+    unpack_weights,
+)
+from exactness.strategies import int_weights, scaled_integers, seeds
+
+# --------------------------------------------------------------------------- packing
+
+
+@st.composite
+def weights_and_bits(draw):
+    bits = draw(st.sampled_from((4, 8)))
+    n, k = draw(st.integers(1, 6)), 32 * draw(st.integers(1, 8))
+    return draw(int_weights(n, k, bits)), bits
+
+
+@given(weights_and_bits())
+def test_pack_matches_compressed_tensors(case):
+    q, bits = case
+    ours = pack_weights(q, bits)
+    theirs = pack_to_int32(torch.from_numpy(q).to(torch.int8), bits).numpy()
+    np.testing.assert_array_equal(ours, theirs)
+
+
+@given(weights_and_bits())
+def test_unpack_matches_compressed_tensors(case):
+    q, bits = case
+    packed = pack_to_int32(torch.from_numpy(q).to(torch.int8), bits)
+    theirs = unpack_from_int32(packed, bits, torch.Size(q.shape)).numpy()
+    np.testing.assert_array_equal(unpack_weights(packed.numpy(), bits, q.shape[1]), theirs)
+    np.testing.assert_array_equal(theirs, q)
+
+
+def test_pack_layout_by_hand():
+    # element k at bits 4*(k % 8): k = 0..7 -> nibbles 0..7 (q = -8..-1), word 0x76543210
+    q = np.arange(-8, 8).reshape(1, 16)
+    words = pack_weights(q, 4).view(np.uint32)
+    assert [hex(w) for w in words[0]] == ["0x76543210", "0xfedcba98"]
+    assert pack_weights(q, 4)[0, 1] < 0  # top nibble >= 8: a negative int32
+
+
+# --------------------------------------------------------------------------- decoding
+
+
+def test_decode_every_16bit_pattern_matches_torch():
+    for fmt in (BFLOAT16, FLOAT16):
+        bits = np.arange(2**16, dtype=np.int64)
+        values = bits_to_tensor(bits, fmt).double().numpy()
+        finite = np.isfinite(values)
+        m, e = decode_array(bits[finite], fmt)
+        np.testing.assert_array_equal(np.ldexp(m.astype(np.float64), e), values[finite])
+        assert finite.sum() == 2**16 - 2 * 2**fmt.mant_bits  # all but inf and NaN
+
+
+@given(st.sampled_from([BFLOAT16, FLOAT16, FLOAT32]), st.data())
+def test_decode_matches_torch(fmt, data):
+    bits = data.draw(st.integers(0, 2**fmt.width - 1).filter(
+        lambda b: (b >> fmt.mant_bits) & fmt.exp_max_field != fmt.exp_max_field))
+    m, e = decode(bits, fmt)
+    assert math.ldexp(m, e) == bits_to_tensor(np.array([bits]), fmt).double().item()
+    assert (m, e) == tuple(int(v[0]) for v in decode_array(np.array([bits]), fmt))
+
+
+def test_decode_signed_zero_and_subnormal():
+    assert decode(0x8000, BFLOAT16) == (0, -133)
+    assert decode(0x0001, BFLOAT16) == (1, -133)  # smallest bf16 subnormal: 2**-133
+    assert decode(0x0080, BFLOAT16) == (128, -133)  # smallest normal: 2**-126
+    assert decode(0x0001, FLOAT16) == (1, -24)
+
+
+# --------------------------------------------------------------------------- rounding
+
+# (m, e) where m * 2**e is a float64 (|m| < 2**53, e in the normal range): torch's
+# float64 -> float32 and numpy's float64 -> float16 conversions are correctly rounded there.
+wide_ints = st.tuples(st.integers(-(2**63) + 1, 2**63 - 1), st.integers(-400, 300))
+
+
+@given(scaled_integers(FLOAT32))
+def test_round_fp32_matches_torch(me):
+    m, e = me
+    want = tensor_to_bits(torch.tensor([math.ldexp(m, e)], dtype=torch.float64).float())[0]
+    assert round_scaled(m, e, FLOAT32) == want
+
+
+@given(scaled_integers(FLOAT16))
+def test_round_fp16_matches_numpy(me):
+    m, e = me
+    with np.errstate(over="ignore"):  # overflow to inf is what we compare
+        want = int(np.array([math.ldexp(m, e)]).astype(np.float16).view(np.uint16)[0])
+    assert round_scaled(m, e, FLOAT16) == want
+
+
+@given(scaled_integers(BFLOAT16, max_bits=24, exponents=(-160, 100)))
+def test_round_bf16_matches_torch_from_exact_fp32(me):
+    m, e = me
+    value = math.ldexp(m, e)
+    as_fp32 = torch.tensor([value], dtype=torch.float64).float()
+    if as_fp32.double().item() != value:  # not exact in fp32: torch would round twice
+        return
+    assert round_scaled(m, e, BFLOAT16) == tensor_to_bits(as_fp32.bfloat16())[0]
+
+
+@given(st.sampled_from([BFLOAT16, FLOAT16, FLOAT32]), st.lists(wide_ints, min_size=1,
+                                                                max_size=64))
+def test_round_array_matches_scalar(fmt, mes):
+    m = np.array([v[0] for v in mes], dtype=np.int64)
+    e = np.array([v[1] for v in mes], dtype=np.int64)
+    got = round_scaled_array(m, e, fmt)
+    assert got.tolist() == [round_scaled(int(a), int(b), fmt) for a, b in mes]
+
+
+@given(st.sampled_from(list(FORMATS.values())), seeds)
+def test_round_array_matches_scalar_near_ties(fmt, seed):
+    """Ties and their neighbours, where a missing sticky bit or half-up rounding shows."""
+    rng = np.random.default_rng(seed)
+    shift = rng.integers(1, 40, 256)
+    n = rng.integers(2 ** (fmt.precision - 1), 2**fmt.precision, 256)
+    m = (n << shift) + (np.int64(1) << (shift - 1)) + rng.integers(-1, 2, 256)
+    e = rng.integers(-200, 100, 256)
+    got = round_scaled_array(m, e, fmt)
+    assert got.tolist() == [round_scaled(int(a), int(b), fmt) for a, b in zip(m, e, strict=True)]
+
+
+def test_rounding_examples():
+    assert round_scaled(0, 5, BFLOAT16) == 0x0000  # an exact zero is +0.0
+    assert round_scaled(0x181, 0, BFLOAT16) == 0x43C0  # 385 = 384 + 1: tie -> even (384)
+    assert round_scaled(0x183, 0, BFLOAT16) == 0x43C2  # 387 = 386 + 1: tie -> even (388)
+    assert round_scaled(1, -134, BFLOAT16) == 0x0000  # half the smallest subnormal: tie -> 0
+    assert round_scaled(3, -135, BFLOAT16) == 0x0001  # 0.75 of it rounds up to the subnormal
+    assert round_scaled(-1, -135, BFLOAT16) == 0x8000  # a nonzero value underflows to -0.0
+    assert round_scaled(255, 120, BFLOAT16) == 0x7F7F  # largest finite bf16, exactly
+    assert round_scaled(511, 119, BFLOAT16) == 0x7F80  # rounds past it: +inf
+    assert round_scaled(-(2**200), 0, FLOAT32) == 0xFF800000
+
+
+def test_torch_int64_to_bf16_rounds_twice():
+    """Why the final rounding is done from the exact integer: int64 -> fp32 -> bf16 is wrong."""
+    m = 2**24 + 2**16 + 1  # just above a bf16 tie: correct rounding goes up
+    assert round_scaled(m, 0, BFLOAT16) == 0x4B81  # 2**24 + 2**17
+    assert tensor_to_bits(torch.tensor([m]).to(torch.bfloat16))[0] == 0x4B80  # torch: 2**24
