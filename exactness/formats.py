@@ -118,73 +118,90 @@ def round_scaled(m: int, e: int, fmt: FloatFormat) -> int:
 
 
 # --------------------------------------------------------------------------- vectorized floats
+# The same code runs on numpy arrays (the reference) and torch tensors (the layers, on any device).
 
 
-def finite_mask(bits: np.ndarray, fmt: FloatFormat) -> np.ndarray:
-    b = np.asarray(bits).astype(np.int64) & ((1 << fmt.width) - 1)
+def array_module(a):
+    """numpy or torch, whichever holds `a`."""
+    return torch if isinstance(a, torch.Tensor) else np
+
+
+def as_int64(a):
+    return a.to(torch.int64) if isinstance(a, torch.Tensor) else np.asarray(a).astype(np.int64)
+
+
+def finite_mask(bits, fmt: FloatFormat):
+    b = as_int64(bits) & ((1 << fmt.width) - 1)
     return ((b >> fmt.mant_bits) & fmt.exp_max_field) != fmt.exp_max_field
 
 
-def check_finite(bits: np.ndarray, fmt: FloatFormat, name: str) -> None:
+def check_finite(bits, fmt: FloatFormat, name: str) -> None:
     """Raise NonFiniteError naming `name`, the count and the first bad index."""
     bad = ~finite_mask(bits, fmt)
     if bad.any():
-        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        first = tuple(int(i) for i in array_module(bad).argwhere(bad)[0])
         raise NonFiniteError(
             f"{name} has {int(bad.sum())} non-finite value(s); the first at index {first}")
 
 
-def decode_array(bits: np.ndarray, fmt: FloatFormat) -> tuple[np.ndarray, np.ndarray]:
+def decode_array(bits, fmt: FloatFormat):
     """Vectorized `decode` of finite patterns: int64 (m, e) arrays."""
-    b = np.asarray(bits).astype(np.int64) & ((1 << fmt.width) - 1)
+    xp = array_module(bits)
+    b = as_int64(bits) & ((1 << fmt.width) - 1)
     field = (b >> fmt.mant_bits) & fmt.exp_max_field
     frac = b & ((1 << fmt.mant_bits) - 1)
-    m = np.where(field == 0, frac, frac | (1 << fmt.mant_bits))
-    e = fmt.quantum_min + np.maximum(field - 1, 0)
-    return np.where(b & fmt.sign_bit, -m, m), e
+    m = xp.where(field == 0, frac, frac | (1 << fmt.mant_bits))
+    e = fmt.quantum_min + (field - 1).clip(min=0)
+    return xp.where((b & fmt.sign_bit) != 0, -m, m), e
 
 
-def bit_length_array(a: np.ndarray) -> np.ndarray:
+def bit_length_array(a):
     """Bit length of non-negative int64 values, by binary search on shifts."""
-    x = a.astype(np.int64).copy()
-    length = np.zeros_like(x)
+    xp = array_module(a)
+    x = as_int64(a)
+    length = x * 0
     for s in (32, 16, 8, 4, 2, 1):
         big = (x >> s) != 0
-        x = np.where(big, x >> s, x)
-        length += np.where(big, s, 0)
+        x = xp.where(big, x >> s, x)
+        length = length + xp.where(big, s, 0)
     return length + (x != 0)
 
 
-def round_scaled_array(m: np.ndarray, e: np.ndarray, fmt: FloatFormat) -> np.ndarray:
+def rne_shift_right(a, s):
+    """RNE(a / 2**s) elementwise, for int64 a >= 0 and shifts 0 <= s <= 63."""
+    xp = array_module(a)
+    one = s * 0 + 1
+    n = a >> s
+    rem = a & ((one << s) - 1)
+    half = xp.where(s > 0, one << (s - 1).clip(min=0), 0)
+    return n + ((s > 0) & ((rem > half) | ((rem == half) & (n & 1 == 1))))
+
+
+def round_scaled_array(m, e, fmt: FloatFormat):
     """Vectorized `round_scaled` for |m| < 2**63: int64 array of bit patterns."""
-    m = np.asarray(m, dtype=np.int64)
-    e = np.broadcast_to(np.asarray(e, dtype=np.int64), m.shape)
+    xp = array_module(m)
+    m = as_int64(m)
+    e = as_int64(e) + m * 0  # broadcast to m's shape
     p = fmt.precision
-    a = np.abs(m)  # |m| < 2**63 by the caller's bound, so this does not wrap
+    a = xp.abs(m)  # |m| < 2**63 by the caller's bound, so this does not wrap
     length = bit_length_array(a)
-    q = np.maximum(e + length - 1 - (p - 1), fmt.quantum_min)
+    q = (e + length - 1 - (p - 1)).clip(min=fmt.quantum_min)
     s = q - e
-    # s > length: a < 2**(s-1), half an ulp: rounds to zero; clip so every shift is in [0, 63].
-    vanish = s > length
-    left = np.clip(-s, 0, 63)
-    right = np.clip(s, 0, 63)
-    half = np.where(right > 0, np.int64(1) << np.maximum(right - 1, 0), 0)
-    rem = a & ((np.int64(1) << right) - 1)
-    n = np.where(s <= 0, a << left, a >> right)
-    up = (s > 0) & ((rem > half) | ((rem == half) & (n & 1 == 1)))
-    n = np.where(vanish, 0, n + up)
+    # s > length: a < 2**(s-1), under half an ulp, rounds to zero; otherwise s <= 63.
+    n = xp.where(s <= 0, a << (-s).clip(0, 63), rne_shift_right(a, s.clip(0, 63)))
+    n = xp.where(s > length, 0, n)
     carry = n == (1 << p)
-    n = np.where(carry, n >> 1, n)
+    n = xp.where(carry, n >> 1, n)
     q = q + carry
     field = q + fmt.mant_bits + fmt.bias
     normal = n >= (1 << (p - 1))
-    bits = np.where(
+    bits = xp.where(
         normal,
-        np.where(field >= fmt.exp_max_field, fmt.inf_bits,
+        xp.where(field >= fmt.exp_max_field, fmt.inf_bits,
                  (field << fmt.mant_bits) | (n & ((1 << fmt.mant_bits) - 1))),
         n)
-    bits = bits | np.where(m < 0, fmt.sign_bit, 0)
-    return np.where(m == 0, 0, bits)
+    bits = bits | xp.where(m < 0, fmt.sign_bit, 0)
+    return xp.where(m == 0, 0, bits)
 
 
 # --------------------------------------------------------------------------- torch bit views

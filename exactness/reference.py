@@ -29,10 +29,13 @@ from .contract import (
     float_format,
 )
 from .formats import (
+    array_module,
+    as_int64,
     bit_length_array,
     check_finite,
     decode,
     decode_array,
+    rne_shift_right,
     round_scaled,
     round_scaled_array,
     unpack_weights,
@@ -110,27 +113,28 @@ def check_linear_inputs(x_bits, x_format, weight_packed, scale_bits, act_bits, w
     return x_bits, packed, scale_bits
 
 
-def quantize_activations(x_bits: np.ndarray, x_format, act_bits: int):
-    """Contract section 3, vectorized: (qa int64 [M, K], e_r int64 [M]); zero rows get e_r = 0."""
+def quantize_activations(x_bits, x_format, act_bits: int):
+    """Contract section 3, vectorized (numpy or torch): (qa int64 [M, K], e_r int64 [M]).
+
+    Zero rows get e_r = 0. Finiteness is the caller's to check.
+    """
+    xp = array_module(x_bits)
     fmt = float_format(x_format)
     qmax = act_qmax(act_bits)
     m, e = decode_array(x_bits, fmt)
     # |x| orders like the magnitude bits of its pattern, so amax is found without decoding all.
-    mag = np.asarray(x_bits).astype(np.int64) & fmt.abs_mask
-    am, ae = decode_array(mag.max(axis=1, initial=0), fmt)
+    am, ae = decode_array(xp.amax(as_int64(x_bits) & fmt.abs_mask, axis=1), fmt)
     # smallest t with am <= Qa * 2**t is t0 or t0 + 1 (t0 from the bit lengths); e_r = ae + t
     t0 = bit_length_array(am) - qmax.bit_length()
-    fits = np.where(t0 >= 0, am <= (qmax << np.maximum(t0, 0)), (am << np.maximum(-t0, 0)) <= qmax)
-    e_r = np.where(am == 0, 0, ae + t0 + np.where(fits, 0, 1))
-    # qa = RNE(m * 2**(e - e_r)): an exact left shift or a rounded right shift
+    qmax_t0 = (t0 * 0 + qmax) << t0.clip(min=0)
+    fits = xp.where(t0 >= 0, am <= qmax_t0, am << (-t0).clip(min=0) <= qmax)
+    e_r = xp.where(am == 0, 0, ae + t0 + xp.where(fits, 0, 1))
+    # qa = RNE(m * 2**(e - e_r)): an exact left shift, or a rounded right shift; |m| < 2**25, so
+    # right shifts past 26 give 0 (under half) and clipping them to 62 changes nothing.
     s = e - e_r[:, None]
-    a = np.abs(m)
-    right = np.clip(-s, 0, 62)  # |m| < 2**25, so shifts past 26 give 0 and stay below half
-    n = np.where(s >= 0, a << np.clip(s, 0, 62), a >> right)
-    rem = a & ((np.int64(1) << right) - 1)
-    half = np.where(right > 0, np.int64(1) << np.maximum(right - 1, 0), 0)
-    n = n + ((s < 0) & ((rem > half) | ((rem == half) & (n & 1 == 1))))
-    return np.where(m < 0, -n, n), e_r
+    a = xp.abs(m)
+    n = xp.where(s >= 0, a << s.clip(0, 62), rne_shift_right(a, (-s).clip(0, 62)))
+    return xp.where(m < 0, -n, n), e_r
 
 
 def split_scales(scale_bits: np.ndarray):
