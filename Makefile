@@ -26,6 +26,9 @@ test: setup
 verify: setup
 	$(BIN)/python -m exactness verify
 
+bench: setup
+	TRITON_INTERPRET=0 $(BIN)/python bench/bench_forward.py
+
 lint: setup
 	$(BIN)/ruff check exactness tests proofs bench conftest.py
 

@@ -10,9 +10,12 @@ from .contract import (
     NonFiniteError,
     ShapeError,
 )
+from .modules import ExactLinear, PackedInt4Linear
 from .reference import oracle_linear, reference_linear
 
 __all__ = [
+    "ExactLinear",
+    "PackedInt4Linear",
     "ContractTypeError",
     "ContractValueError",
     "ExactnessError",

@@ -43,3 +43,55 @@ def max_safe_spread(k: int, w_bits: int, act_bits: int, acc_bits: int = COMBINE_
     while combine_bound(k, w_bits, act_bits, spread + 1) <= limit:
         spread += 1
     return spread
+
+MAX_WEIGHT_LIMBS = 3  # the CPU path folds scales into weights of at most 3 int8 limbs
+
+
+def int8_digits(v, count: int):
+    """Signed base-256 digits of an int32 / int64 tensor, lowest first: [count, *v.shape] int8.
+
+    sum_j digit[j] * 256**j == v, each digit in [-128, 127]. Raises if `count` digits do not hold
+    `v` (never wraps).
+    """
+    import torch
+
+    digits = []
+    rest = v if v.dtype in (torch.int32, torch.int64) else v.to(torch.int64)
+    for _ in range(count):
+        low = ((rest + 128) & 255) - 128
+        digits.append(low.to(torch.int8))
+        rest = (rest - low) >> LIMB_BITS
+    if bool((rest != 0).any()):
+        raise OverflowError(f"{count} int8 limbs do not hold these values")
+    return torch.stack(digits)
+
+
+def activation_limbs(qa, act_bits: int):
+    """qa as int8 limbs [L, M, K]: qa itself, or the digits of qa - LIMB_OFFSET (16-bit)."""
+    if act_limbs(act_bits) == 1:
+        return int8_digits(qa, 1)
+    return int8_digits(qa - LIMB_OFFSET, 2)
+
+
+def weight_limbs_needed(lo: int, hi: int) -> int:
+    """How many signed int8 digits hold every integer in [lo, hi]."""
+    count = 1
+    while not -128 * (256**count - 1) // 255 <= lo <= hi <= 127 * (256**count - 1) // 255:
+        count += 1
+    return count
+
+
+def int_mm_bound(k: int) -> int:
+    """Worst |sum_k limb * limb| of one int8 x int8 GEMM: must fit DOT_ACC_BITS."""
+    return k * 128 * 128
+
+
+def max_folded_spread(w_bits: int) -> int:
+    """The largest spread whose folded weights q * ms << spread fit MAX_WEIGHT_LIMBS int8 limbs."""
+    lo, hi = -(2 ** (w_bits - 1)), 2 ** (w_bits - 1) - 1
+    mant = 2**SCALE_MANT_BITS - 1
+    spread = -1
+    while weight_limbs_needed(lo * mant << (spread + 1),
+                              hi * mant << (spread + 1)) <= MAX_WEIGHT_LIMBS:
+        spread += 1
+    return spread

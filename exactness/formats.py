@@ -214,17 +214,21 @@ def torch_dtype(fmt: FloatFormat | str) -> torch.dtype:
     return _TORCH[float_format(fmt).name][0]
 
 
-def tensor_to_bits(t: torch.Tensor) -> np.ndarray:
-    """The unsigned bit patterns of a bf16 / fp16 / fp32 tensor, as int64."""
+def float_bits(t: torch.Tensor) -> torch.Tensor:
+    """The unsigned bit patterns of a bf16 / fp16 / fp32 tensor, as int64 on its device."""
     fmt = float_format(t.dtype)
-    raw = t.detach().cpu().contiguous().view(_TORCH[fmt.name][1]).numpy().astype(np.int64)
-    return raw & ((1 << fmt.width) - 1)
+    return t.contiguous().view(_TORCH[fmt.name][1]).to(torch.int64) & ((1 << fmt.width) - 1)
 
 
-def bits_to_tensor(bits: np.ndarray, fmt: FloatFormat | str) -> torch.Tensor:
-    """A tensor of format `fmt` whose elements have the given bit patterns."""
+def tensor_to_bits(t: torch.Tensor) -> np.ndarray:
+    """`float_bits` as a numpy array."""
+    return float_bits(t.detach().cpu()).numpy()
+
+
+def bits_to_tensor(bits, fmt: FloatFormat | str) -> torch.Tensor:
+    """A tensor of format `fmt` whose elements have the given bit patterns (numpy or torch)."""
     fmt = float_format(fmt)
-    b = np.asarray(bits).astype(np.int64)
-    signed = np.where(b >= fmt.sign_bit, b - (1 << fmt.width), b)
-    int_dtype = _TORCH[fmt.name][1]
-    return torch.from_numpy(signed).to(int_dtype).view(_TORCH[fmt.name][0])
+    b = bits if isinstance(bits, torch.Tensor) else torch.from_numpy(np.asarray(bits, np.int64))
+    b = b.to(torch.int64)
+    signed = torch.where(b >= fmt.sign_bit, b - (1 << fmt.width), b)
+    return signed.to(_TORCH[fmt.name][1]).view(_TORCH[fmt.name][0])

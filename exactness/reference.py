@@ -13,6 +13,7 @@ Inputs: `x_bits` [M, K] patterns of `x_format`; `weight_packed` int32 [N, K*w_bi
 
 from __future__ import annotations
 
+import math
 from fractions import Fraction
 
 import numpy as np
@@ -87,6 +88,32 @@ def oracle_linear(x_bits, x_format, weight_packed, scale_bits, *, act_bits: int 
             y_row.append(round_scaled(y.numerator, 1 - y.denominator.bit_length(), out_format))
         out.append(y_row)
     return out
+
+
+def oracle_quantize_weight(w_bits, w_format, bits: int) -> tuple[list[list[int]], list[list[int]]]:
+    """docs/SPEC.md section 6 per group: scale = the least bf16 >= amax / Qw, q = RNE(w / scale)."""
+    qw = 2 ** (bits - 1) - 1
+    q_rows, scale_rows = [], []
+    for row in np.asarray(w_bits).tolist():
+        ws = [_exact(int(b), float_format(w_format)) for b in row]
+        q_row, s_row = [], []
+        for g in range(0, len(ws), GROUP_SIZE):
+            group = ws[g:g + GROUP_SIZE]
+            amax = max(abs(v) for v in group)
+            if amax == 0:
+                q_row += [0] * GROUP_SIZE
+                s_row.append(0)
+                continue
+            es = BFLOAT16.quantum_min  # bf16 holds every ms * 2**es with ms <= 255, es >= this
+            while math.ceil(amax / qw / Fraction(2) ** es) > 255:
+                es += 1
+            ms = math.ceil(amax / qw / Fraction(2) ** es)
+            scale = ms * Fraction(2) ** es
+            q_row += [round(v / scale) for v in group]
+            s_row.append(round_scaled(ms, es, BFLOAT16))
+        q_rows.append(q_row)
+        scale_rows.append(s_row)
+    return q_rows, scale_rows
 
 
 # --------------------------------------------------------------------------- numpy reference

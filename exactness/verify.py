@@ -88,6 +88,8 @@ STAGES = [
     Stage("vectors", "the contract's independent test vectors, every path", vectors_stage),
     pytest_stage("reference", "oracle == numpy reference == peers (compressed-tensors, torch)",
                  "tests/test_formats.py", "tests/test_reference.py", "tests/test_vectors.py"),
+    pytest_stage("equivalence", "every layer path == reference, bit for bit (incl. full Kimi sizes)",
+                 "tests/test_modules.py"),
     pytest_stage("mutants", "every planted bug is caught", "tests/test_mutants.py"),
 ]
 

@@ -2,7 +2,9 @@
 
 import numpy as np
 import pytest
+import torch
 
+from exactness import ExactLinear, PackedInt4Linear
 from exactness.contract import (
     ContractTypeError,
     ContractValueError,
@@ -93,3 +95,75 @@ def test_weight_out_of_range_names_the_index():
 def test_decode_refuses_non_finite():
     with pytest.raises(NonFiniteError):
         decode(0x7F80, float_format("bfloat16"))
+
+
+# --------------------------------------------------------------------------- the layer
+
+
+def test_layer_non_finite_x_counts():
+    layer = PackedInt4Linear(64, 4)
+    x = torch.randn(3, 64)
+    x[2, 7], x[0, 1] = float("nan"), float("inf")
+    with pytest.raises(ValueError, match=r"x has 2 non-finite value\(s\); the first at index "
+                                         r"\(0, 1\)"):
+        layer(x)
+
+
+def test_layer_wrong_last_dim_and_dtypes():
+    layer = PackedInt4Linear(64, 4)
+    with pytest.raises(ShapeError, match="in_features=64"):
+        layer(torch.randn(2, 32))
+    for dtype in (torch.float64, torch.int32, torch.float8_e4m3fn):
+        with pytest.raises(ContractTypeError, match="dtype must be one of"):
+            layer(torch.zeros(2, 64, dtype=dtype))
+
+
+def test_layer_empty_batch_and_non_contiguous_input():
+    layer = ExactLinear.from_weight(torch.randn(4, 64))
+    assert layer(torch.randn(0, 64)).shape == (0, 4)
+    assert layer(torch.randn(2, 0, 64)).shape == (2, 0, 4)
+    x = torch.randn(64, 6).t()  # non-contiguous
+    assert torch.equal(layer(x), layer(x.contiguous()))
+
+
+def test_layer_constructor_arguments():
+    with pytest.raises(ShapeError, match="multiple of 32, got 48"):
+        PackedInt4Linear(48, 4)
+    with pytest.raises(ContractValueError, match="act_bits"):
+        PackedInt4Linear(64, 4, act_bits=12)
+    with pytest.raises(ContractValueError, match="bits must be one of"):
+        ExactLinear(64, 4, bits=2)
+    with pytest.raises(ContractValueError, match="group_size must be 32"):
+        ExactLinear.from_weight(torch.randn(4, 64), group_size=64)
+
+
+def corrupt(key, value):
+    layer = PackedInt4Linear(64, 4)
+    sd = layer.state_dict()
+    sd[key] = value
+    return layer, sd
+
+
+@pytest.mark.parametrize("key, value, error, match", [
+    ("weight_packed", torch.zeros(4, 8, dtype=torch.int64), ContractTypeError,
+     "weight_packed: dtype torch.int64"),
+    ("weight_packed", torch.zeros(4, 4, dtype=torch.int32), ShapeError,
+     r"weight_packed: shape \(4, 4\), expected \(4, 8\)"),
+    ("weight_scale", torch.zeros(4, 2, dtype=torch.float16), ContractTypeError,
+     "weight_scale: dtype torch.float16"),
+    ("weight_scale", torch.tensor([[1.0, 1.0]] * 3 + [[1.0, float("inf")]]).bfloat16(),
+     NonFiniteError, r"weight_scale has 1 non-finite value\(s\); the first at index \(3, 1\)"),
+    ("weight_shape", torch.tensor([4, 32]), ShapeError, r"weight_shape: \[4, 32\]"),
+    ("weight_shape", torch.tensor([4.0, 64.0]), ContractTypeError, "weight_shape: dtype"),
+])
+def test_corrupt_buffers_name_the_key(key, value, error, match):
+    layer, sd = corrupt(key, value)
+    with pytest.raises(error, match=match):
+        layer.load_state_dict(sd)
+
+
+def test_missing_key_is_reported():
+    layer, sd = corrupt("weight_scale", None)
+    del sd["weight_scale"]
+    with pytest.raises(RuntimeError, match="Missing key.*weight_scale"):
+        layer.load_state_dict(sd)

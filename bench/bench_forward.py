@@ -1,0 +1,93 @@
+"""`make bench`: the exact layer against the bf16 matmul a user would otherwise run, side by side.
+
+For each Kimi shape and batch M, both are timed in the same process, interleaved, median of
+repeats; the table reports the ratio exact / bf16 (<= 1.0 means the exact path is no slower).
+The baseline is torch's bf16 matmul on a weight dequantized once, ahead of time, to bf16.
+Memory: the layer's bytes (checkpoint buffers + derived tensors) against the packed bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from exactness import PackedInt4Linear
+from exactness.formats import bits_to_tensor, pack_weights, unpack_weights
+
+SHAPES = {"gate/up 7168->2048": (7168, 2048), "down 2048->7168": (2048, 7168)}
+
+
+def kimi_layer(k: int, n: int, act_bits: int, seed: int = 0) -> PackedInt4Linear:
+    rng = np.random.default_rng(seed)
+    q = rng.integers(-8, 8, (n, k))
+    scales = 0x3C00 + rng.integers(0, 256, (n, k // 32))  # QAT-like: 2**-7 .. 2**-5
+    layer = PackedInt4Linear(k, n, act_bits, backend="cpu")
+    layer.load_state_dict({"weight_packed": torch.from_numpy(pack_weights(q, 4)),
+                           "weight_scale": bits_to_tensor(scales, "bfloat16"),
+                           "weight_shape": torch.tensor([n, k])})
+    return layer
+
+
+def dequantized_bf16(layer: PackedInt4Linear) -> torch.Tensor:
+    q = torch.from_numpy(unpack_weights(layer.weight_packed.numpy(), 4)).float()
+    return (q * layer.weight_scale.float().repeat_interleave(32, dim=1)).bfloat16()
+
+
+def timed(fn, repeats: int) -> float:
+    fn()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 128])
+    parser.add_argument("--act-bits", type=int, nargs="+", default=[16, 8])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--out", default="reports/bench.md")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+             f"median of {args.repeats}", "",
+             "| shape | act_bits | M | exact ms | bf16 ms | ratio exact/bf16 |",
+             "| --- | --- | --- | --- | --- | --- |"]
+    print("\n".join(lines), flush=True)
+    memory = []
+    for name, (k, n) in SHAPES.items():
+        for act_bits in args.act_bits:
+            layer = kimi_layer(k, n, act_bits)
+            w = dequantized_bf16(layer)
+            for m in args.m:
+                x = torch.randn(m, k).bfloat16()
+                exact, bf16 = 0.0, 0.0
+                for _ in range(2):  # interleave the two, twice, against drift
+                    exact += timed(lambda: layer(x), args.repeats)
+                    bf16 += timed(lambda: x @ w.t(), args.repeats)
+                line = (f"| {name} | {act_bits} | {m} | {exact / 2e-3:.2f} | {bf16 / 2e-3:.2f} | "
+                        f"{exact / bf16:.2f} |")
+                lines.append(line)
+                print(line, flush=True)
+            packed = layer.weight_packed.numel() * 4 + layer.weight_scale.numel() * 2
+            memory.append(f"| {name} | {act_bits} | {packed / 2**20:.2f} | "
+                          f"{layer.derived_nbytes() / 2**20:.2f} | "
+                          f"{(packed + layer.derived_nbytes()) / packed:.2f} | "
+                          f"{w.numel() * 2 / 2**20:.2f} |")
+    lines += ["", "| shape | act_bits | packed+scales MiB | derived MiB | layer / packed | "
+              "bf16 weight MiB |", "| --- | --- | --- | --- | --- | --- |", *memory]
+    print("\n".join(lines[-len(memory) - 3:]))
+    Path(args.out).parent.mkdir(exist_ok=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,270 @@
+"""The production layers: `PackedInt4Linear` (Kimi's native int4 checkpoint, zero conversion) and
+`ExactLinear` (ordinary weights quantized onto the same exact path, 4 or 8 bits).
+
+Persistent state is exactly the checkpoint's keys: `weight_packed`, `weight_scale`,
+`weight_shape`. Everything derived from them (the certificate, the CPU path's folded limbs) is
+rebuilt whenever they change, and is never saved.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from . import dataflow
+from .contract import (
+    BFLOAT16,
+    DEFAULT_ACT_BITS,
+    GROUP_SIZE,
+    ContractTypeError,
+    ContractValueError,
+    ShapeError,
+    check_act_bits,
+    check_in_features,
+    check_weight_bits,
+    float_format,
+)
+from .formats import (
+    bits_to_tensor,
+    check_finite,
+    decode_array,
+    float_bits,
+    pack_weights,
+    round_scaled_array,
+    unpack_weights,
+)
+from .kernels import cpu, triton_exact
+from .kernels.activations import quantize_rows
+from .reference import reference_linear
+
+BACKENDS = ("auto", "cpu", "triton")
+
+
+@dataclass
+class Certificate:
+    """What the fast paths need of the scales, and which weight rows they hold exactly.
+
+    A row is fast when its scale-exponent spread fits both the int64 combine
+    (dataflow.max_safe_spread) and the CPU path's folded limbs (dataflow.max_folded_spread);
+    other rows take the exact reference path.
+    """
+
+    emin: torch.Tensor  # [N] int64: least exponent of the row's nonzero scales (0 if none)
+    spread: torch.Tensor  # [N] int64
+    mantissa: torch.Tensor  # [N, G] int32, 0 on slow rows
+    shift: torch.Tensor  # [N, G] int32: es - emin, 0 on slow rows
+    fast: torch.Tensor  # [N] bool
+    spread_limit: int
+
+    @property
+    def slow_rows(self) -> torch.Tensor:
+        return torch.nonzero(~self.fast).flatten()
+
+    def summary(self) -> dict:
+        return {"rows": int(self.fast.numel()), "fast_rows": int(self.fast.sum()),
+                "slow_rows": int((~self.fast).sum()), "max_spread": int(self.spread.max()),
+                "spread_limit": self.spread_limit}
+
+
+def certify(weight_scale: torch.Tensor, k: int, w_bits: int, act_bits: int) -> Certificate:
+    ms, es = decode_array(float_bits(weight_scale), BFLOAT16)
+    nonzero = ms != 0
+    big = torch.iinfo(torch.int64).max
+    emin = torch.where(nonzero, es, big).amin(dim=1)
+    emin = torch.where(emin == big, 0, emin)
+    shift = torch.where(nonzero, es - emin[:, None], 0)
+    spread = shift.amax(dim=1)
+    limit = min(dataflow.max_safe_spread(k, w_bits, act_bits), dataflow.max_folded_spread(w_bits))
+    fast = spread <= limit
+    keep = fast[:, None]
+    return Certificate(emin, spread, torch.where(keep, ms, 0).to(torch.int32),
+                       torch.where(keep, shift, 0).to(torch.int32), fast, limit)
+
+
+def _default_packed(n: int, k: int, bits: int) -> torch.Tensor:
+    return torch.from_numpy(pack_weights(np.zeros((n, k), np.int64), bits))
+
+
+class _PackedExactLinear(nn.Module):
+    """y = RNE(2**e_r * sum_g s[n,g] * sum_k qa[r,k] * q[n,k]) (docs/SPEC.md), bit for bit."""
+
+    def __init__(self, in_features: int, out_features: int, act_bits: int = DEFAULT_ACT_BITS,
+                 *, bits: int = 4, out_dtype: torch.dtype | None = None,
+                 backend: str = "auto", device=None):
+        super().__init__()
+        self.in_features = check_in_features(in_features)
+        if not isinstance(out_features, int) or out_features <= 0:
+            raise ShapeError(f"out_features must be a positive integer, got {out_features!r}")
+        self.out_features = out_features
+        self.act_bits = check_act_bits(act_bits)
+        self.bits = check_weight_bits(bits)
+        self.out_dtype = out_dtype
+        if out_dtype is not None:
+            float_format(out_dtype)
+        if backend not in BACKENDS:
+            raise ContractValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        self.backend = backend
+        n, k = out_features, in_features
+        self.register_buffer("weight_packed", _default_packed(n, k, bits).to(device))
+        self.register_buffer("weight_scale",
+                             torch.zeros((n, k // GROUP_SIZE), dtype=torch.bfloat16, device=device))
+        self.register_buffer("weight_shape", torch.tensor([n, k], dtype=torch.int64, device=device))
+        self._derived_key = None
+        self._certificate: Certificate | None = None
+        self._folded: cpu.FoldedWeights | None = None
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"bits={self.bits}, act_bits={self.act_bits}, backend={self.backend}")
+
+    # ----------------------------------------------------------------- loading
+
+    def _expected(self) -> dict:
+        n, k = self.out_features, self.in_features
+        return {"weight_packed": ((n, k * self.bits // 32), (torch.int32,)),
+                "weight_scale": ((n, k // GROUP_SIZE), (torch.bfloat16,)),
+                "weight_shape": ((2,), (torch.int32, torch.int64))}
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
+                              unexpected_keys, error_msgs):
+        for name, (shape, dtypes) in self._expected().items():
+            key = prefix + name
+            if key not in state_dict:
+                continue  # the base class reports it as missing
+            t = state_dict[key]
+            if t.dtype not in dtypes:
+                raise ContractTypeError(f"{key}: dtype {t.dtype}, expected one of {dtypes}")
+            if tuple(t.shape) != shape:
+                raise ShapeError(f"{key}: shape {tuple(t.shape)}, expected {shape}")
+        shape_key = prefix + "weight_shape"
+        if shape_key in state_dict:
+            got = [int(v) for v in state_dict[shape_key]]
+            if got != [self.out_features, self.in_features]:
+                raise ShapeError(f"{shape_key}: {got}, but the layer is "
+                                 f"[{self.out_features}, {self.in_features}]")
+        scale_key = prefix + "weight_scale"
+        if scale_key in state_dict:
+            check_finite(float_bits(state_dict[scale_key]), BFLOAT16, scale_key)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
+                                      unexpected_keys, error_msgs)
+        self._derived_key = None
+
+    # ----------------------------------------------------------------- derived data
+
+    def _key(self):
+        return tuple((t.data_ptr(), t._version, t.device) for t in (self.weight_packed,
+                                                                     self.weight_scale))
+
+    @property
+    def certificate(self) -> Certificate:
+        self._derive()
+        return self._certificate
+
+    def _derive(self) -> None:
+        if self._derived_key == self._key():
+            return
+        check_finite(float_bits(self.weight_scale), BFLOAT16, "weight_scale")
+        self._certificate = certify(self.weight_scale, self.in_features, self.bits,
+                                    self.act_bits)
+        self._folded = None
+        self._derived_key = self._key()
+
+    def _folded_weights(self) -> cpu.FoldedWeights:
+        if self._folded is None:
+            q = torch.from_numpy(unpack_weights(self.weight_packed.cpu().numpy(), self.bits,
+                                                self.in_features))
+            cert = self._certificate
+            self._folded = cpu.FoldedWeights(q, cert.mantissa.cpu(), cert.shift.cpu())
+        return self._folded
+
+    def derived_nbytes(self) -> int:
+        """Bytes of derived tensors this layer holds now (certificate and folded limbs)."""
+        self._derive()
+        cert = self._certificate
+        total = sum(t.numel() * t.element_size()
+                    for t in (cert.emin, cert.spread, cert.mantissa, cert.shift, cert.fast))
+        return total + (self._folded.nbytes if self._folded is not None else 0)
+
+    # ----------------------------------------------------------------- forward
+
+    def path_for(self, x: torch.Tensor) -> str:
+        if self.backend == "triton" or (self.backend == "auto" and x.is_cuda):
+            return "triton"
+        if x.is_cuda:
+            raise ContractValueError("backend='cpu' needs x on the CPU")
+        return "cpu"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not isinstance(x, torch.Tensor):
+            raise ContractTypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        x_format = float_format(x.dtype)
+        out_dtype = self.out_dtype or x.dtype
+        out_format = float_format(out_dtype)
+        k, n = self.in_features, self.out_features
+        if x.dim() == 0 or x.shape[-1] != k:
+            raise ShapeError(f"x.shape[-1] must be in_features={k}, got shape {tuple(x.shape)}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k)
+        if x2.shape[0] == 0:
+            return torch.empty((*lead, n), dtype=out_dtype, device=x.device)
+        if not bool(torch.isfinite(x2).all()):
+            check_finite(float_bits(x2), x_format, "x")  # raises, with the count and the index
+        self._derive()
+        cert = self._certificate
+        qa, e_r = quantize_rows(x2, self.act_bits)
+        limbs = dataflow.activation_limbs(qa, self.act_bits)
+        if self.path_for(x) == "triton":
+            t = triton_exact.accumulate(limbs.contiguous(), self.weight_packed,
+                                        cert.mantissa.to(x.device), cert.shift.to(x.device),
+                                        self.bits)
+        elif cpu.int_mm_exact():
+            t = cpu.accumulate(limbs, self._folded_weights())
+        else:
+            t = cpu.accumulate_int64(qa, self._folded_weights())
+        y = round_scaled_array(t, e_r[:, None] + cert.emin.to(x.device)[None, :], out_format)
+        slow = cert.slow_rows
+        if slow.numel():  # scale spreads no fast path holds: the exact reference, row by row
+            y[:, slow.to(x.device)] = torch.from_numpy(reference_linear(
+                float_bits(x2).cpu().numpy(), x_format, self.weight_packed[slow].cpu().numpy(),
+                float_bits(self.weight_scale[slow]).cpu().numpy(), act_bits=self.act_bits,
+                out_format=out_format, w_bits=self.bits)).to(x.device)
+        return bits_to_tensor(y, out_format).reshape(*lead, n)
+
+
+class PackedInt4Linear(_PackedExactLinear):
+    """Kimi K2's routed-expert projection: int4 pack-quantized weights, group 32, bf16 scales."""
+
+    def __init__(self, in_features: int, out_features: int, act_bits: int = DEFAULT_ACT_BITS, *,
+                 out_dtype: torch.dtype | None = None, backend: str = "auto", device=None):
+        super().__init__(in_features, out_features, act_bits, bits=4, out_dtype=out_dtype,
+                         backend=backend, device=device)
+
+
+class ExactLinear(_PackedExactLinear):
+    """The exact path for ordinary weights, 4 or 8 bits (ExactLinear.from_weight)."""
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bits: int = 4, group_size: int = GROUP_SIZE,
+                    act_bits: int = DEFAULT_ACT_BITS, *, out_dtype: torch.dtype | None = None,
+                    backend: str = "auto") -> ExactLinear:
+        """Quantize `weight` [N, K] group-wise (docs/SPEC.md section 6) onto the exact path."""
+        from .quantize import quantize_weight
+
+        if group_size != GROUP_SIZE:
+            raise ContractValueError(f"group_size must be {GROUP_SIZE}, got {group_size!r}")
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+            raise ShapeError("weight must be a 2-D tensor [out_features, in_features]")
+        n, k = weight.shape
+        check_in_features(k, "weight.shape[1] (in_features)")
+        q, scale_bits = quantize_weight(float_bits(weight.detach().cpu()).numpy(),
+                                        float_format(weight.dtype), bits)
+        layer = cls(k, n, act_bits, bits=bits, out_dtype=out_dtype, backend=backend,
+                    device=weight.device)
+        layer.load_state_dict({
+            "weight_packed": torch.from_numpy(pack_weights(q, bits)),
+            "weight_scale": bits_to_tensor(scale_bits, BFLOAT16),
+            "weight_shape": torch.tensor([n, k])})
+        return layer

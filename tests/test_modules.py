@@ -1,0 +1,184 @@
+"""The production layer against the reference, bit for bit, on every path available here."""
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from exactness import ExactLinear, PackedInt4Linear
+from exactness.cases import LinearCase, load_vectors
+from exactness.contract import BFLOAT16, FLOAT32, FORMATS
+from exactness.counterexamples import check_bits
+from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits
+from exactness.paths import available_paths, layer_for, run
+from exactness.strategies import KIMI_SHAPES, activation_bits, linear_cases, scale_bits, seeds
+
+LAYER_PATHS = [p for p in available_paths() if p in ("cpu", "triton")]
+
+
+def check_path(case, path):
+    check_bits(case, path, run(case, path), run(case, "reference"))
+
+
+@pytest.mark.parametrize("path", LAYER_PATHS)
+def test_vectors_through_the_layer(path):
+    for case in load_vectors():
+        check_bits(case, path, run(case, path), case.expected, source="vectors")
+
+
+@given(linear_cases(max_k=256, max_n=40, max_rows=20))
+def test_cpu_path_matches_reference(case):
+    check_path(case, "cpu")
+
+
+@given(linear_cases(max_k=128, max_n=40, max_rows=20))
+def test_triton_path_matches_reference(case):
+    check_path(case, "triton")
+
+
+@given(linear_cases(max_k=96, max_n=8, max_rows=3), st.data())
+def test_wide_spread_rows_stay_exact(case, data):
+    """Scale exponents across the whole bf16 range: certified slow rows take the exact path."""
+    case.scale_bits = data.draw(scale_bits(case.shape[2], case.shape[1] // 32, kind="spread"))
+    case.scale_bits[0, 0], case.scale_bits[0, -1] = 0x0001, 0x7E00
+    for path in LAYER_PATHS:
+        check_path(case, path)
+
+
+@st.composite
+def kimi_cases(draw, act_bits: int, path: str):
+    k, n = draw(st.sampled_from(KIMI_SHAPES))
+    rng = np.random.default_rng(draw(seeds))
+    q = rng.integers(-8, 8, (n, k))
+    q[:, : draw(st.sampled_from((0, 32)))] = -8  # a group at the bound
+    rows = draw(st.sampled_from((1, 3) if path == "triton" else (1, 17, 300)))
+    return LinearCase(draw(activation_bits(rows, k, BFLOAT16, act_bits)), BFLOAT16, q,
+                      pack_weights(q, 4), draw(scale_bits(n, k // 32, kind="qat")), act_bits,
+                      BFLOAT16)
+
+
+@pytest.mark.parametrize("act_bits", [4, 8, 16])
+@pytest.mark.parametrize("path", LAYER_PATHS)
+def test_full_kimi_sizes(path, act_bits):
+    @settings(max_examples=1, derandomize=True, database=None)
+    @given(kimi_cases(act_bits, path))
+    def full_size(case):
+        check_path(case, path)
+
+    full_size()
+
+
+def test_dense_mlp_input_size_18432():
+    rng = np.random.default_rng(3)
+    w = torch.from_numpy(rng.standard_normal((64, 18432)).astype(np.float32))
+    x = torch.from_numpy(rng.standard_normal((5, 18432)).astype(np.float32)).bfloat16()
+    for bits in (4, 8):
+        layer = ExactLinear.from_weight(w, bits=bits)
+        case = LinearCase(tensor_to_bits(x), BFLOAT16, None, layer.weight_packed.numpy(),
+                          tensor_to_bits(layer.weight_scale), 16, BFLOAT16, bits)
+        check_bits(case, "cpu", tensor_to_bits(layer(x)), run(case, "reference"))
+
+
+# --------------------------------------------------------------------------- metamorphic
+
+
+@given(linear_cases(max_k=128, max_n=16, max_rows=12), st.randoms(use_true_random=False))
+def test_batch_and_permutation_invariance(case, random):
+    """A row's bits depend on that row alone: not on the others, their order, or the batch size."""
+    for path in LAYER_PATHS:
+        layer = layer_for(case, path)
+        x = bits_to_tensor(case.x_bits, case.x_format)
+        whole = tensor_to_bits(layer(x))
+        order = list(range(x.shape[0]))
+        random.shuffle(order)
+        assert (tensor_to_bits(layer(x[order])) == whole[order]).all()
+        r = random.randrange(x.shape[0])
+        assert (tensor_to_bits(layer(x[r:r + 1])) == whole[r:r + 1]).all()
+        assert (tensor_to_bits(layer(x.reshape(1, *x.shape))) == whole).all()  # leading dims
+
+
+@given(linear_cases(max_k=128, max_n=24, max_rows=18))
+def test_cpu_equals_interpreted_triton(case):
+    if "triton" not in LAYER_PATHS:
+        pytest.skip("no Triton here")
+    assert (run(case, "cpu") == run(case, "triton")).all()
+
+
+def test_determinism_across_runs():
+    case = load_vectors()[7]
+    for path in LAYER_PATHS:
+        first = run(case, path)
+        assert all((run(case, path) == first).all() for _ in range(3))
+
+
+# --------------------------------------------------------------------------- from_weight
+
+
+@given(st.sampled_from((4, 8)), st.sampled_from(list(FORMATS.values())), seeds,
+       st.sampled_from((1e-30, 1e-3, 1.0, 1e4)))
+def test_from_weight_matches_the_oracle_quantizer(bits, fmt, seed, magnitude):
+    from exactness.reference import oracle_quantize_weight
+
+    rng = np.random.default_rng(seed)
+    w = torch.from_numpy(rng.standard_normal((3, 64)) * magnitude).to(
+        bits_to_tensor(np.zeros(1, np.int64), fmt).dtype)
+    w[0, :32] = 0
+    layer = ExactLinear.from_weight(w, bits=bits)
+    want_q, want_scale = oracle_quantize_weight(tensor_to_bits(w), fmt, bits)
+    assert (tensor_to_bits(layer.weight_scale) == np.array(want_scale)).all()
+    assert (layer.weight_packed.numpy() == pack_weights(np.array(want_q), bits)).all()
+
+
+def test_from_weight_error_is_within_half_a_step():
+    w = torch.randn(16, 64)
+    layer = ExactLinear.from_weight(w, bits=8)
+    scale = layer.weight_scale.float().repeat_interleave(32, dim=1)
+    from exactness.formats import unpack_weights
+
+    q = torch.from_numpy(unpack_weights(layer.weight_packed.numpy(), 8, 64)).float()
+    assert ((q * scale - w).abs() <= scale / 2).all() and q.abs().max() <= 127
+
+
+# --------------------------------------------------------------------------- the module's state
+
+
+def test_state_dict_is_exactly_the_checkpoint_keys():
+    layer = PackedInt4Linear(64, 8)
+    keys = layer.state_dict().keys()
+    assert list(keys) == ["weight_packed", "weight_scale", "weight_shape"]
+    sd = layer.state_dict()
+    assert sd["weight_packed"].dtype == torch.int32 and sd["weight_packed"].shape == (8, 8)
+    assert sd["weight_scale"].dtype == torch.bfloat16 and sd["weight_scale"].shape == (8, 2)
+
+
+def test_derived_data_is_rebuilt_when_the_weights_change():
+    case = load_vectors()[0]
+    layer = layer_for(case, "cpu")
+    x = bits_to_tensor(case.x_bits, case.x_format)
+    before = tensor_to_bits(layer(x))
+    with torch.no_grad():
+        layer.weight_scale.mul_(2)  # in place: every output doubles exactly
+    doubled = tensor_to_bits(layer(x).float() / 2)
+    assert (tensor_to_bits(layer(x)) != before).any()
+    assert (tensor_to_bits(bits_to_tensor(doubled, FLOAT32).to(x.dtype)) == before).all()
+    sd = {k: v.clone() for k, v in layer.state_dict().items()}
+    sd["weight_scale"] /= 2
+    layer.load_state_dict(sd)
+    assert (tensor_to_bits(layer(x)) == before).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_weight_shape_int32_or_int64(dtype):
+    layer = PackedInt4Linear(64, 2)
+    sd = layer.state_dict()
+    sd["weight_shape"] = torch.tensor([2, 64], dtype=dtype)
+    layer.load_state_dict(sd)
+
+
+def test_layer_keeps_no_float_copy_of_the_weight():
+    layer = PackedInt4Linear(64, 8)
+    layer(torch.randn(2, 64))
+    tensors = [*layer.buffers(), *vars(layer).values()]
+    floats = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    assert all(t is layer.weight_scale for t in floats)
