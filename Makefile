@@ -26,6 +26,9 @@ test: setup
 verify: setup
 	$(BIN)/python -m exactness verify
 
+prove: setup
+	$(BIN)/python -m exactness prove
+
 bench: setup
 	TRITON_INTERPRET=0 $(BIN)/python bench/bench_forward.py
 

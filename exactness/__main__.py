@@ -12,6 +12,14 @@ def main(argv: list[str] | None = None) -> int:
     verify = sub.add_parser("verify", help="every check, one verdict table, exit 0 iff exact")
     verify.add_argument("--thorough", action="store_true", help="nightly-scale Hypothesis profile")
     verify.add_argument("--stage", action="append", help="run only this stage (repeatable)")
+    sub.add_parser("prove", help="Z3 proofs of every accumulator bound (--help for options)",
+                   add_help=False)
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["prove"]:
+        from proofs.prover import main as prove_main
+
+        return prove_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "verify":
         from .verify import main as verify_main

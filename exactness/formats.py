@@ -122,12 +122,16 @@ def round_scaled(m: int, e: int, fmt: FloatFormat) -> int:
 
 
 def array_module(a):
-    """numpy or torch, whichever holds `a`."""
-    return torch if isinstance(a, torch.Tensor) else np
+    """numpy or torch, whichever holds `a` (or a symbolic module: proofs/symbolic.py)."""
+    if isinstance(a, torch.Tensor):
+        return torch
+    return getattr(type(a), "array_module", np)
 
 
 def as_int64(a):
-    return a.to(torch.int64) if isinstance(a, torch.Tensor) else np.asarray(a).astype(np.int64)
+    if isinstance(a, torch.Tensor):
+        return a.to(torch.int64)
+    return a if hasattr(type(a), "array_module") else np.asarray(a).astype(np.int64)
 
 
 def finite_mask(bits, fmt: FloatFormat):
@@ -174,7 +178,7 @@ def rne_shift_right(a, s):
     n = a >> s
     rem = a & ((one << s) - 1)
     half = xp.where(s > 0, one << (s - 1).clip(min=0), 0)
-    return n + ((s > 0) & ((rem > half) | ((rem == half) & (n & 1 == 1))))
+    return n + ((s > 0) & ((rem > half) | ((rem == half) & ((n & 1) == 1))))
 
 
 def round_scaled_array(m, e, fmt: FloatFormat):

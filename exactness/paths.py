@@ -53,6 +53,12 @@ def run(case: LinearCase, path: str) -> np.ndarray:
         return np.array(oracle_linear(*args, **case.kwargs()), dtype=np.int64)
     if path == "reference":
         return reference_linear(*args, **case.kwargs())
+    if path.startswith("simulated"):  # "simulated-dot32-acc64": the dataflow at those widths
+        from .simulate import simulate
+
+        widths = {part.rstrip("0123456789"): int(part[len(part.rstrip("0123456789")):])
+                  for part in path.split("-")[1:]}
+        return simulate(case, widths.get("dot"), widths.get("acc"))
     if path not in PATHS:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     device = triton_device() if path == "triton" else "cpu"

@@ -189,10 +189,20 @@ def reference_linear(x_bits, x_format, weight_packed, scale_bits, *, act_bits: i
     shift = np.where(ms != 0, es - emin[:, None], 0)
     out = np.empty((x_bits.shape[0], qw.shape[0]), dtype=np.int64)
     for r in range(x_bits.shape[0]):
-        p = np.einsum("ngk,gk->ng", qw, qa[r].reshape(groups, GROUP_SIZE))  # |P| < 2**24
-        t = ((p * ms) << np.where(safe[:, None], shift, 0)).sum(axis=1)  # int64 by the bound
+        p = group_dots(qa[r], qw)
+        t = combine_groups(p, ms, np.where(safe[:, None], shift, 0))  # int64 by the bound
         out[r] = round_scaled_array(t, e_r[r] + emin, out_format)
         for n in np.flatnonzero(~safe):  # spread too wide for int64: exact Python integers
             t_n = sum(int(p[n, g]) * int(ms[n, g]) << int(shift[n, g]) for g in range(groups))
             out[r, n] = round_scaled(t_n, int(e_r[r] + emin[n]), out_format)
     return out
+
+
+def group_dots(qa_row: np.ndarray, qw: np.ndarray) -> np.ndarray:
+    """P[n, g] = sum_{k in g} qa[k] * q[n, k] for one row, in int64 (|P| < 2**24)."""
+    return np.einsum("ngk,gk->ng", qw, qa_row.reshape(-1, GROUP_SIZE))
+
+
+def combine_groups(p: np.ndarray, ms: np.ndarray, shift: np.ndarray) -> np.ndarray:
+    """T[n] = sum_g (P * ms) << shift in int64, for rows the certificate bounds."""
+    return ((p * ms) << shift).sum(axis=1)

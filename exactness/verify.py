@@ -67,6 +67,22 @@ def pytest_stage(name: str, what: str, *selection: str) -> Stage:
     return Stage(name, what, run)
 
 
+def proofs_stage(profile: str) -> StageResult:
+    """The Z3 catalogue (python -m exactness prove), verdicts read from its JSON."""
+    cmd = [sys.executable, "-m", "exactness", "prove", "--json"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    try:
+        verdicts = json.loads(proc.stdout)
+    except ValueError:
+        return StageResult("proofs", "unknown", detail=proc.stderr[-1000:])
+    bad = [f"{v['verdict']}: {v['name']} k={v['k']} {v.get('counterexample') or ''}"
+           for v in verdicts if v["verdict"] != "proved"]
+    verdict = "passed" if not bad and proc.returncode == 0 else (
+        "failed" if any(b.startswith("refuted") for b in bad) else "unknown")
+    return StageResult("proofs", verdict, len(verdicts), failures=bad,
+                       detail="every accumulator bound and the final rounding, proved by Z3")
+
+
 def vectors_stage(profile: str) -> StageResult:
     from .cases import load_vectors
     from .reference import oracle_linear, reference_linear
@@ -85,10 +101,12 @@ def vectors_stage(profile: str) -> StageResult:
 
 
 STAGES = [
+    Stage("proofs", "Z3: accumulator bounds at Kimi sizes, the rounding routine", proofs_stage),
     Stage("vectors", "the contract's independent test vectors, every path", vectors_stage),
-    pytest_stage("reference", "oracle == numpy reference == peers (compressed-tensors, torch)",
-                 "tests/test_formats.py", "tests/test_reference.py", "tests/test_vectors.py"),
-    pytest_stage("equivalence", "every layer path == reference, bit for bit (incl. full Kimi sizes)",
+    pytest_stage("reference", "oracle == numpy reference == peers; proofs cross-checked",
+                 "tests/test_formats.py", "tests/test_reference.py", "tests/test_vectors.py",
+                 "tests/test_proofs.py"),
+    pytest_stage("equivalence", "every layer path == reference, bit for bit, full Kimi sizes too",
                  "tests/test_modules.py"),
     pytest_stage("mutants", "every planted bug is caught", "tests/test_mutants.py"),
 ]

@@ -15,6 +15,8 @@ from exactness.paths import available_paths, layer_for, run
 from exactness.strategies import KIMI_SHAPES, activation_bits, linear_cases, scale_bits, seeds
 
 LAYER_PATHS = [p for p in available_paths() if p in ("cpu", "triton")]
+needs_triton = pytest.mark.skipif("triton" not in LAYER_PATHS,
+                                  reason="Triton needs a GPU or TRITON_INTERPRET=1")
 
 
 def check_path(case, path):
@@ -32,6 +34,7 @@ def test_cpu_path_matches_reference(case):
     check_path(case, "cpu")
 
 
+@needs_triton
 @given(linear_cases(max_k=128, max_n=40, max_rows=20))
 def test_triton_path_matches_reference(case):
     check_path(case, "triton")
@@ -98,10 +101,9 @@ def test_batch_and_permutation_invariance(case, random):
         assert (tensor_to_bits(layer(x.reshape(1, *x.shape))) == whole).all()  # leading dims
 
 
+@needs_triton
 @given(linear_cases(max_k=128, max_n=24, max_rows=18))
 def test_cpu_equals_interpreted_triton(case):
-    if "triton" not in LAYER_PATHS:
-        pytest.skip("no Triton here")
     assert (run(case, "cpu") == run(case, "triton")).all()
 
 

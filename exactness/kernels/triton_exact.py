@@ -39,6 +39,7 @@ if triton is not None:
         M, N, G,
         stride_limb, stride_am, stride_wn, stride_cn, stride_tm,
         W_BITS: tl.constexpr, TWO_LIMBS: tl.constexpr, LIMB_OFFSET: tl.constexpr,
+        DOT_ACC: tl.constexpr, COMBINE_ACC: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
@@ -51,7 +52,7 @@ if triton is not None:
         per_word: tl.constexpr = 32 // W_BITS  # elements per int32 word
         word_of_k = offs_k // per_word
         shift_of_k = (offs_k % per_word) * W_BITS
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int64)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=COMBINE_ACC)
         for g in range(0, G):
             words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (g * W_BITS + word_of_k)[None, :],
                             mask=mask_n[:, None], other=0)
@@ -60,16 +61,19 @@ if triton is not None:
             w8 = w.to(tl.int8)
             a_ptrs = a_ptr + offs_m[:, None] * stride_am + (g * 32 + offs_k)[None, :]
             a_lo = tl.load(a_ptrs, mask=mask_m[:, None], other=0)
-            p = tl.dot(a_lo, tl.trans(w8), out_dtype=tl.int32)
+            p = tl.dot(a_lo, tl.trans(w8), out_dtype=DOT_ACC)
             if TWO_LIMBS:  # qa - 128 = hi * 256 + lo
                 a_hi = tl.load(a_ptrs + stride_limb, mask=mask_m[:, None], other=0)
-                d_hi = tl.dot(a_hi, tl.trans(w8), out_dtype=tl.int32)
+                d_hi = tl.dot(a_hi, tl.trans(w8), out_dtype=DOT_ACC)
                 p = d_hi * 256 + p + LIMB_OFFSET * tl.sum(w, axis=1)[None, :]
-            c = tl.load(c_ptr + offs_n * stride_cn + g, mask=mask_n, other=0).to(tl.int64)
-            sh = tl.load(sh_ptr + offs_n * stride_cn + g, mask=mask_n, other=0).to(tl.int64)
-            acc += (p.to(tl.int64) * c[None, :]) << sh[None, :]
+            c = tl.load(c_ptr + offs_n * stride_cn + g, mask=mask_n, other=0).to(COMBINE_ACC)
+            sh = tl.load(sh_ptr + offs_n * stride_cn + g, mask=mask_n, other=0).to(COMBINE_ACC)
+            acc += (p.to(COMBINE_ACC) * c[None, :]) << sh[None, :]
         t_ptrs = t_ptr + offs_m[:, None] * stride_tm + offs_n[None, :]
         tl.store(t_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+
+
+_INT = {32: tl.int32, 64: tl.int64} if triton is not None else {}  # widths of dataflow
 
 
 def accumulate(limbs: torch.Tensor, weight_packed: torch.Tensor, mantissa: torch.Tensor,
@@ -82,13 +86,15 @@ def accumulate(limbs: torch.Tensor, weight_packed: torch.Tensor, mantissa: torch
         raise RuntimeError("the Triton path needs the triton package (pip install triton)")
     n_limbs, m, k = limbs.shape
     n = weight_packed.shape[0]
-    t = torch.empty((m, n), dtype=torch.int64, device=limbs.device)
+    t = torch.empty((m, n), dtype={32: torch.int32, 64: torch.int64}[dataflow.COMBINE_ACC_BITS],
+                    device=limbs.device)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     exact_group_kernel[grid](
         limbs, weight_packed, mantissa, shift, t,
         m, n, k // GROUP_SIZE,
         limbs.stride(0), limbs.stride(1), weight_packed.stride(0), mantissa.stride(0), t.stride(0),
         W_BITS=w_bits, TWO_LIMBS=n_limbs == 2, LIMB_OFFSET=dataflow.LIMB_OFFSET,
+        DOT_ACC=_INT[dataflow.DOT_ACC_BITS], COMBINE_ACC=_INT[dataflow.COMBINE_ACC_BITS],
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
     return t

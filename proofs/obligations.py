@@ -1,0 +1,294 @@
+"""Proof obligations, generated from `exactness.dataflow` (the widths the kernel and the
+reference use), in Z3 bit-vector arithmetic at those widths.
+
+Each obligation is a claim `pre -> post` over symbolic inputs; the prover asks Z3 for a model of
+`pre and not post`: none (unsat) is a proof, a model is a refutation with concrete values, a
+timeout is unknown. Sums over K are proved by induction: one step lemma with the step index
+symbolic (the base case, an empty sum, is 0), so K = 18432 costs what K = 32 does.
+
+Widths: an n-bit two's-complement operation (wrap-around, as int32 / int64 registers and numpy
+arrays compute) returns the exact result if and only if the exact result lies in
+[-2**(n-1), 2**(n-1) - 1]. So each step's exact value is computed in a bit-vector wide enough
+never to wrap (products at their operands' natural widths, which keeps the multipliers small), and
+the claim at the code's width `n` is `fits(value, n)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import z3
+
+from exactness import dataflow
+from exactness.contract import BFLOAT16, FLOAT16, FLOAT32, GROUP_SIZE, act_qmax
+
+WIDE = 100  # the spec's arithmetic: wide enough that nothing it computes can wrap
+MAX_SPREAD = 40  # (steps + 1) * 255 * 2**27 * 2**40 < 2**99: WIDE holds every bound below
+
+
+@dataclass
+class Obligation:
+    name: str
+    claim: str
+    build: Callable[[], tuple[z3.BoolRef, z3.BoolRef, dict]]  # (pre, post, named variables)
+    w_bits: int | None = None
+    a_bits: int | None = None
+    k: int | None = None
+    acc_bits: int | None = None
+    spread: int | None = None
+    tactic: bool = False  # bit-blast through an explicit tactic (FP-heavy queries)
+    extra: dict = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def wide(x: z3.BitVecRef) -> z3.BitVecRef:
+    return z3.SignExt(WIDE - x.size(), x)
+
+
+def const(v: int, bits: int = WIDE) -> z3.BitVecRef:
+    return z3.BitVecVal(v, bits)
+
+
+def within(x: z3.BitVecRef, bound) -> z3.BoolRef:
+    """|x| <= bound, judged in wide arithmetic (bound: int or a wide term)."""
+    b = const(bound) if isinstance(bound, int) else bound
+    return z3.And(wide(x) <= b, wide(x) >= -b)
+
+
+def in_range(x: z3.BitVecRef, lo: int, hi: int) -> z3.BoolRef:
+    return z3.And(wide(x) >= const(lo), wide(x) <= const(hi))
+
+
+def fits(value: z3.BitVecRef, bits: int) -> z3.BoolRef:
+    """An n-bit register holds `value` exactly (n-bit arithmetic did not wrap)."""
+    return in_range(value, -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+
+
+def signed_var(name: str, lo: int, hi: int) -> tuple[z3.BitVecRef, z3.BoolRef]:
+    """A variable just wide enough for [lo, hi], with its range as precondition."""
+    bits = max(abs(lo), abs(hi)).bit_length() + 1
+    v = z3.BitVec(name, bits)
+    return v, in_range(v, lo, hi)
+
+
+def product(a: z3.BitVecRef, b: z3.BitVecRef) -> z3.BitVecRef:
+    """The exact a * b, multiplied at the natural width of the result, then widened."""
+    bits = a.size() + b.size()
+    return wide(z3.SignExt(bits - a.size(), a) * z3.SignExt(bits - b.size(), b))
+
+
+def accumulate_step(name: str, claim: str, acc_bits: int, steps: int, term_bound: int,
+                    make_term: Callable, **meta) -> Obligation:
+    """Induction step for acc_{j+1} = acc_j + term_j in `acc_bits`, for every j < steps:
+    |acc_j| <= j * B and the term's preconditions  ->  every step computing the term, the term
+    and the sum fit `acc_bits`, and |acc_{j+1}| <= (j + 1) * B. With acc_0 = 0 this bounds every
+    partial sum by steps * B.
+
+    make_term() -> (the term's exact value (wide), its preconditions, its inner steps' claims,
+    its named variables)."""
+
+    def build():
+        j = z3.BitVec("j", 32)
+        acc = z3.BitVec("acc", acc_bits)
+        term, term_pre, term_ok, names = make_term()
+        bound = z3.ZeroExt(WIDE - 32, j) * term_bound
+        new = wide(acc) + term
+        pre = z3.And(z3.ULT(j, steps), within(acc, bound), term_pre)
+        post = z3.And(term_ok, fits(term, acc_bits), fits(new, acc_bits),
+                      z3.And(new <= bound + term_bound, new >= -(bound + term_bound)))
+        return pre, post, {"j": j, "acc": acc, **names}
+
+    return Obligation(name, claim, build, acc_bits=acc_bits, **meta)
+
+
+def product_term(a_lo: int, a_hi: int, w_bits: int):
+    """a * w with a in [a_lo, a_hi] (an int8 limb or an activation) and w a `w_bits` weight."""
+
+    def make():
+        a, a_ok = signed_var("a", a_lo, a_hi)
+        w, w_ok = signed_var("w", -(2 ** (w_bits - 1)), 2 ** (w_bits - 1) - 1)
+        return product(a, w), z3.And(a_ok, w_ok), z3.BoolVal(True), {"a": a, "w": w}
+
+    return make
+
+
+# --------------------------------------------------------------------------- the catalogue
+
+
+def limb_split(a_bits: int) -> Obligation:
+    """qa in [-Qa, Qa] -> its int8 limbs (dataflow.activation_limbs) are int8 and recombine."""
+    qmax = act_qmax(a_bits)
+
+    def build():
+        qa = z3.BitVec("qa", 32)
+        if dataflow.act_limbs(a_bits) == 1:
+            return in_range(qa, -qmax, qmax), in_range(qa, -128, 127), {"qa": qa}
+        v = qa - dataflow.LIMB_OFFSET
+        lo = ((v + 128) & 255) - 128
+        hi = (v - lo) >> dataflow.LIMB_BITS
+        post = z3.And(in_range(lo, -128, 127), in_range(hi, -128, 127),
+                      hi * 256 + lo + dataflow.LIMB_OFFSET == qa)
+        return in_range(qa, -qmax, qmax), post, {"qa": qa}
+
+    return Obligation(f"limb-split-a{a_bits}", "activation limbs are int8 and sum back to qa",
+                      build, a_bits=a_bits)
+
+
+def group_dot(w_bits: int, a_bits: int, dot_bits: int) -> Obligation:
+    limb_max = act_qmax(a_bits) if dataflow.act_limbs(a_bits) == 1 else 128
+    return accumulate_step(
+        f"group-dot-w{w_bits}-a{a_bits}", f"int8 x int{w_bits} limb dots of 32 in int{dot_bits}",
+        dot_bits, GROUP_SIZE, limb_max * 2 ** (w_bits - 1),
+        product_term(-limb_max, min(limb_max, 127), w_bits),
+        w_bits=w_bits, a_bits=a_bits)
+
+
+def group_recombine(w_bits: int, a_bits: int, dot_bits: int) -> Obligation:
+    """P = 256 * D_hi + D_lo + 128 * sum_k q, in the dot width, from the limb dots' bounds."""
+
+    def build():
+        bound = GROUP_SIZE * 128 * 2 ** (w_bits - 1)
+        d_hi, hi_ok = signed_var("d_hi", -bound, bound)
+        d_lo, lo_ok = signed_var("d_lo", -bound, bound)
+        wsum, sum_ok = signed_var("wsum", -GROUP_SIZE * 2 ** (w_bits - 1),
+                                  GROUP_SIZE * 2 ** (w_bits - 1))
+        t1 = wide(d_hi) * 256
+        t2 = t1 + wide(d_lo)
+        t3 = t2 + dataflow.LIMB_OFFSET * wide(wsum)
+        post = z3.And(fits(t1, dot_bits), fits(t2, dot_bits), fits(t3, dot_bits))
+        return z3.And(hi_ok, lo_ok, sum_ok), post, {"d_hi": d_hi, "d_lo": d_lo, "wsum": wsum}
+
+    return Obligation(f"group-recombine-w{w_bits}-a{a_bits}",
+                      f"two-limb recombination of P in int{dot_bits}", build, w_bits=w_bits,
+                      a_bits=a_bits, acc_bits=dot_bits)
+
+
+def group_bound(w_bits: int, a_bits: int) -> Obligation:
+    """The closed form (A2Q-style) |P| <= 32 * 2**(bw-1) * Qa: never exceeded, and attained."""
+    qmax, bound = act_qmax(a_bits), 2 ** (w_bits - 1) * act_qmax(a_bits)
+
+    def build():
+        a, a_ok = signed_var("a", -qmax, qmax)
+        w, w_ok = signed_var("w", -(2 ** (w_bits - 1)), 2 ** (w_bits - 1) - 1)
+        return z3.And(a_ok, w_ok), within(product(a, w), bound), {"a": a, "w": w}
+
+    return Obligation(f"group-bound-w{w_bits}-a{a_bits}",
+                      f"|qa * q| <= {bound}, so |P| <= 32 * that = {GROUP_SIZE * bound}", build,
+                      w_bits=w_bits, a_bits=a_bits, extra={"attained": bound})
+
+
+def combine(w_bits: int, a_bits: int, k: int, acc_bits: int, spread: int) -> Obligation:
+    pmax = GROUP_SIZE * 2 ** (w_bits - 1) * act_qmax(a_bits)
+    mant = 2**dataflow.SCALE_MANT_BITS - 1
+
+    def make():
+        p, p_ok = signed_var("P", -pmax, pmax)
+        ms, ms_ok = signed_var("ms", -mant, mant)
+        sh = z3.BitVec("shift", 8)
+        prod = product(p, ms)
+        shifted = prod << z3.ZeroExt(WIDE - 8, sh)
+        return (shifted, z3.And(p_ok, ms_ok, z3.ULE(sh, spread)),
+                z3.And(fits(prod, acc_bits), fits(shifted, acc_bits)),
+                {"P": p, "ms": ms, "shift": sh})
+
+    return accumulate_step(
+        f"combine-w{w_bits}-a{a_bits}-k{k}",
+        f"sum over {k // GROUP_SIZE} groups of (P * ms) << shift in int{acc_bits}, "
+        f"spread <= {spread}", acc_bits, k // GROUP_SIZE, mant * pmax << spread, make,
+        w_bits=w_bits, a_bits=a_bits, k=k, spread=spread)
+
+
+def cpu_int_mm(k: int, dot_bits: int) -> Obligation:
+    return accumulate_step(f"cpu-int-mm-k{k}", f"int8 x int8 GEMM over K={k} in int{dot_bits}",
+                           dot_bits, k, 128 * 128, product_term(-128, 127, 8), k=k)
+
+
+def cpu_combine(w_bits: int, a_bits: int, k: int, spread: int) -> Obligation:
+    """T = sum_{i,j} Z_ij << 8 (i + j) (+ 128 * rowsum) in int64, term by term."""
+    fold_max = 2 ** (w_bits - 1) * (2**dataflow.SCALE_MANT_BITS - 1) << spread
+    limbs_w = dataflow.weight_limbs_needed(-fold_max, fold_max)
+    limbs_a = dataflow.act_limbs(a_bits)
+    bits = dataflow.COMBINE_ACC_BITS
+
+    def build():
+        names, pre, post = {}, [], []
+        acc = const(0)
+        for i in range(limbs_a):
+            for j in range(limbs_w):
+                z, z_ok = signed_var(f"Z{i}{j}", -k * 128 * 128, k * 128 * 128)
+                names[f"Z{i}{j}"] = z
+                pre.append(z_ok)
+                acc = acc + (wide(z) << (8 * (i + j)))
+                post.append(fits(acc, bits))
+        if limbs_a == 2:
+            rowsum, ok = signed_var("rowsum", -k * fold_max, k * fold_max)
+            names["rowsum"] = rowsum
+            pre.append(ok)
+            acc = acc + dataflow.LIMB_OFFSET * wide(rowsum)
+            post.append(fits(acc, bits))
+        return z3.And(pre), z3.And(post), names
+
+    return Obligation(f"cpu-combine-w{w_bits}-a{a_bits}-k{k}",
+                      f"{limbs_a}x{limbs_w} limb GEMMs combined in int{bits}, spread <= {spread}",
+                      build, w_bits=w_bits, a_bits=a_bits, k=k, acc_bits=bits, spread=spread)
+
+
+def rounding(fmt) -> Obligation:
+    """formats.round_scaled_array itself (run on bit-vectors) == IEEE RNE of m * 2**e, for every
+    int64 m (but -2**63) and every e the layers produce, and all its shifts stay in [0, 63]."""
+    from exactness.formats import round_scaled_array
+
+    from .symbolic import Sym, shift_amounts_in_range
+
+    e_span = 320  # beyond every e_r + emin: activations and scales are at most 2**128 or 2**-149
+
+    def build():
+        m, e = z3.BitVec("m", 64), z3.BitVec("e", 64)
+        Sym.shift_conditions = []
+        got = round_scaled_array(Sym(m), Sym(e), fmt).term
+        pre = z3.And(m != z3.BitVecVal(-(2**63), 64), e >= -e_span, e <= e_span)
+        post = z3.And(got == ieee_rne_bits(m, e, fmt), shift_amounts_in_range())
+        return pre, post, {"m": m, "e": e}
+
+    return Obligation(f"rounding-{fmt.name}", f"round_scaled_array is IEEE RNE to {fmt.name}",
+                      build, acc_bits=64, tactic=True)
+
+
+def ieee_rne_bits(m: z3.BitVecRef, e: z3.BitVecRef, fmt) -> z3.BitVecRef:
+    """Z3's own IEEE semantics: m exactly into a wide float, times 2**e (exponent field), RNE."""
+    sort = z3.FPSort(13, 66)  # 65 fraction bits: every int64 exact; exponents far from limits
+    value = z3.fpSignedToFP(z3.RNE(), m, sort)
+    bits = z3.fpToIEEEBV(value)
+    scaled = z3.Concat(z3.Extract(78, 78, bits), z3.Extract(77, 65, bits) + z3.Extract(12, 0, e),
+                       z3.Extract(64, 0, bits))
+    exact_value = z3.If(m == 0, value, z3.fpBVToFP(scaled, sort))
+    out = z3.fpToFP(z3.RNE(), exact_value, z3.FPSort(fmt.exp_bits, fmt.precision))
+    return z3.ZeroExt(64 - fmt.width, z3.fpToIEEEBV(out))
+
+
+ROUNDING_FORMATS = (BFLOAT16, FLOAT16, FLOAT32)
+
+
+def for_config(w_bits: int, a_bits: int, k: int, acc_bits: int | None = None,
+               spread: int | None = None) -> list[Obligation]:
+    """Every obligation of one (weight bits, act bits, K) configuration, at the code's widths
+    (acc_bits overrides the combine accumulator; spread overrides the certified limit)."""
+    acc_bits = acc_bits or dataflow.COMBINE_ACC_BITS
+    if spread is not None and not 0 <= spread <= MAX_SPREAD:
+        raise ValueError(f"spread must be in [0, {MAX_SPREAD}], got {spread}")
+    if spread is None:
+        spread = max(0, min(dataflow.max_safe_spread(k, w_bits, a_bits, acc_bits),
+                            dataflow.max_folded_spread(w_bits)))
+    dot = dataflow.DOT_ACC_BITS
+    obligations = [limb_split(a_bits), group_dot(w_bits, a_bits, dot), group_bound(w_bits, a_bits)]
+    if dataflow.act_limbs(a_bits) == 2:
+        obligations.append(group_recombine(w_bits, a_bits, dot))
+    obligations += [combine(w_bits, a_bits, k, acc_bits, spread), cpu_int_mm(k, dot),
+                    cpu_combine(w_bits, a_bits, k, spread)]
+    for o in obligations:
+        o.w_bits, o.a_bits, o.k = w_bits, a_bits, k
+        o.acc_bits = o.acc_bits or dot
+    return obligations

@@ -1,0 +1,119 @@
+"""The proofs are tied to the code: they prove what it does, refute what it must not do, and the
+real code never exceeds what they prove."""
+
+import json
+
+import numpy as np
+import pytest
+from hypothesis import given, target
+from hypothesis import strategies as st
+
+from exactness import dataflow
+from exactness.contract import group_dot_bound
+from exactness.counterexamples import read
+from exactness.mutants import CATALOGUE, applied
+from exactness.paths import run
+from exactness.reference import combine_groups, group_dots, quantize_activations, split_scales
+from exactness.strategies import activation_bits, formats, int_weights, scale_bits
+from proofs import obligations as ob
+from proofs.prover import extreme_case, main, prove
+
+
+def verdicts(capsys, *argv):
+    code = main(["--json", "--no-cache", "--jobs", "1", *argv])
+    return code, {v["name"]: v for v in json.loads(capsys.readouterr().out)}
+
+
+def test_kimi_config_proves(capsys):
+    code, got = verdicts(capsys, "--w-bits", "4", "--a-bits", "16", "--k", "7168",
+                         "--no-rounding")
+    assert code == 0 and all(v["verdict"] == "proved" for v in got.values())
+    assert {"limb-split-a16", "group-dot-w4-a16", "group-recombine-w4-a16",
+            "combine-w4-a16-k7168", "cpu-int-mm-k7168", "cpu-combine-w4-a16-k7168"} <= set(got)
+    v = got["combine-w4-a16-k7168"]
+    assert {"name", "w_bits", "a_bits", "k", "acc_bits", "verdict", "seconds",
+            "counterexample"} <= set(v) and v["acc_bits"] == 64
+
+
+def test_int32_combine_is_refuted_with_a_replayable_counterexample(capsys):
+    code, got = verdicts(capsys, "--acc-bits", "32", "--a-bits", "16", "--k", "18432",
+                         "--w-bits", "4", "--no-rounding")
+    v = got["combine-w4-a16-k18432"]
+    assert code == 1 and v["verdict"] == "refuted" and v["model"]
+    case, doc = read(v["counterexample"])
+    assert doc["source"] == "proof" and doc["path"] == "simulated-dot32-acc32"
+    wrong = run(case, doc["path"])
+    assert (wrong != run(case, "reference")).any()  # the unsafe width really gives wrong bits
+    assert (run(case, "simulated-dot32-acc64") == run(case, "reference")).all()
+
+
+def test_changing_a_width_in_the_description_changes_the_verdict(monkeypatch):
+    assert prove(ob.cpu_int_mm(7168, dataflow.DOT_ACC_BITS)).verdict == "proved"
+    monkeypatch.setattr(dataflow, "DOT_ACC_BITS", 16)
+    assert prove(ob.cpu_int_mm(7168, dataflow.DOT_ACC_BITS)).verdict == "refuted"
+    monkeypatch.setattr(dataflow, "COMBINE_ACC_BITS", 32)
+    combine = [o for o in ob.for_config(4, 16, 7168, spread=0) if o.name.startswith("combine")]
+    assert prove(combine[0]).verdict == "refuted"
+
+
+def test_spread_past_the_limit_is_refuted():
+    limit = dataflow.max_safe_spread(18432, 8, 16)
+    assert prove(ob.combine(8, 16, 18432, 64, limit)).verdict == "proved"
+    assert prove(ob.combine(8, 16, 18432, 64, limit + 1)).verdict == "refuted"
+
+
+def test_rounding_proof_refutes_a_planted_rounding_bug():
+    sticky = next(m for m in CATALOGUE if m.name == "sticky-bit-ignored")
+    with applied(sticky):
+        assert prove(ob.rounding(ob.BFLOAT16), timeout_s=120).verdict == "refuted"
+
+
+# --------------------------------------------------------------------------- cross-checks
+
+
+@given(st.sampled_from((4, 8)), st.sampled_from((4, 8, 16)), formats, st.data())
+def test_real_group_dots_never_exceed_the_proved_bound(w_bits, a_bits, fmt, data):
+    q = data.draw(int_weights(4, 64, w_bits))
+    x = data.draw(activation_bits(2, 64, fmt, a_bits))
+    qa, _ = quantize_activations(x, fmt, a_bits)
+    biggest = max(int(np.abs(group_dots(row, q.reshape(4, 2, 32))).max()) for row in qa)
+    target(float(biggest), label="max |P|")
+    assert biggest <= group_dot_bound(w_bits, a_bits)
+
+
+@given(st.sampled_from((4, 8)), st.sampled_from((4, 8, 16)), st.data())
+def test_real_combine_never_exceeds_the_proved_bound(w_bits, a_bits, data):
+    k = 128
+    q = data.draw(int_weights(3, k, w_bits))
+    x = data.draw(activation_bits(1, k, ob.FLOAT32, a_bits, kind="extreme"))
+    s = data.draw(scale_bits(3, k // 32, kind="spread"))
+    ms, es, emin, spread = split_scales(s)
+    limit = dataflow.max_safe_spread(k, w_bits, a_bits)
+    ok = spread <= limit
+    qa, _ = quantize_activations(x, ob.FLOAT32, a_bits)
+    t = combine_groups(group_dots(qa[0], q.reshape(3, -1, 32))[ok], ms[ok],
+                       np.where(ms != 0, es - emin[:, None], 0)[ok])
+    ratios = [abs(int(t_n)) / dataflow.combine_bound(k, w_bits, a_bits, int(d))
+              for t_n, d in zip(t, spread[ok], strict=True)]
+    target(max(ratios, default=0.0), label="max |T| / bound")
+    assert all(r <= 1 for r in ratios)
+
+
+@pytest.mark.parametrize("w_bits, a_bits", [(4, 4), (4, 16), (8, 8), (8, 16)])
+def test_the_extreme_input_attains_the_group_bound(w_bits, a_bits):
+    case = extreme_case(w_bits, a_bits, 64, 0, 2)
+    qa, _ = quantize_activations(case.x_bits, case.x_format, a_bits)
+    p = group_dots(qa[0], case.q.reshape(1, 2, 32))
+    assert (p == group_dot_bound(w_bits, a_bits)).all()
+
+
+@given(st.data())
+def test_simulated_dataflow_at_the_real_widths_equals_the_reference(data):
+    """The description the proofs read, executed: it is the arithmetic the reference computes."""
+    from exactness.strategies import linear_cases
+
+    case = data.draw(linear_cases(max_k=96, max_n=3, max_rows=2))
+    _, _, _, spread = split_scales(case.scale_bits)
+    fast = spread <= dataflow.max_safe_spread(case.shape[1], case.w_bits, case.act_bits)
+    got, want = run(case, "simulated"), run(case, "reference")
+    assert (got[:, fast] == want[:, fast]).all()
