@@ -24,7 +24,10 @@ test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 verify: setup
-	$(BIN)/python -m exactness verify
+	$(BIN)/python -m exactness verify $(VERIFY_ARGS)
+
+repro: setup
+	$(BIN)/python -m exactness repro $(FILE)
 
 prove: setup
 	$(BIN)/python -m exactness prove

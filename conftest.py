@@ -18,3 +18,13 @@ settings.register_profile("dev", deadline=None, max_examples=100, suppress_healt
 settings.register_profile("thorough", deadline=None, max_examples=2000, print_blob=True,
                           suppress_health_check=_SLOW_DATA)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def pytest_configure(config):
+    """EXACTNESS_MUTANT=name plants that catalogue mutant into the whole run (make mutants)."""
+    from exactness.mutants import applied, from_env
+
+    mutant = from_env()
+    if mutant is not None:
+        config._exactness_mutant = applied(mutant)
+        config._exactness_mutant.__enter__()

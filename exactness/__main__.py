@@ -7,6 +7,17 @@ import sys
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Every command runs with the mutant EXACTNESS_MUTANT names planted, if any."""
+    from contextlib import nullcontext
+
+    from .mutants import applied, from_env
+
+    mutant = from_env()
+    with applied(mutant) if mutant else nullcontext():
+        return _dispatch(argv)
+
+
+def _dispatch(argv: list[str] | None) -> int:
     parser = argparse.ArgumentParser(prog="python -m exactness", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     verify = sub.add_parser("verify", help="every check, one verdict table, exit 0 iff exact")
@@ -16,10 +27,16 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     if argv is None:
         argv = sys.argv[1:]
+    sub.add_parser("repro", help="replay counterexample files (--help for options)",
+                   add_help=False)
     if argv[:1] == ["prove"]:
         from proofs.prover import main as prove_main
 
         return prove_main(argv[1:])
+    if argv[:1] == ["repro"]:
+        from .repro import main as repro_main
+
+        return repro_main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "verify":
         from .verify import main as verify_main

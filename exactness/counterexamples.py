@@ -95,9 +95,35 @@ def read(file: Path | str) -> tuple[LinearCase, dict]:
     return case, doc
 
 
+def _count(outputs: int) -> None:
+    """Tally compared outputs where `make verify` asks for it (EXACTNESS_COUNT_FILE)."""
+    target = os.environ.get("EXACTNESS_COUNT_FILE")
+    if target:
+        with open(target, "a") as f:
+            f.write(f"{outputs}\n")
+
+
+def from_layer(layer, x, *, path: str = "user", directory: Path | str | None = None) -> Path:
+    """A user's own input to a layer as a counterexample file (expected: the reference's bits)."""
+    from .formats import float_bits, tensor_to_bits
+    from .reference import reference_linear
+
+    x2 = x.reshape(-1, layer.in_features)
+    case = LinearCase(tensor_to_bits(x2), float_format(x.dtype), None,
+                      layer.weight_packed.cpu().numpy(),
+                      float_bits(layer.weight_scale).cpu().numpy(), layer.act_bits,
+                      float_format(layer.out_dtype or x.dtype), layer.bits)
+    case.q = unpack_weights(case.weight_packed, case.w_bits).astype(np.int64)
+    want = reference_linear(case.x_bits, case.x_format, case.weight_packed, case.scale_bits,
+                            **case.kwargs())
+    got = tensor_to_bits(layer(x2))
+    return write(case, path=path, expected=want, actual=got, source="user", directory=directory)
+
+
 def check_bits(case: LinearCase, path: str, actual, expected, source: str = "hypothesis") -> None:
     """Assert equal bits; on a difference write the counterexample first and name it."""
     actual, expected = np.asarray(actual), np.asarray(expected)
+    _count(expected.size)
     if actual.shape == expected.shape and (actual == expected).all():
         return
     file = write(case, path=path, expected=expected, actual=actual, source=source)

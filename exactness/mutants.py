@@ -32,7 +32,8 @@ def mutated_function(mutant: Mutant):
     module_name, func_name = mutant.target.split(":")
     module = importlib.import_module(module_name)
     original = getattr(module, func_name)
-    source = textwrap.dedent(inspect.getsource(original))
+    # a @triton.jit kernel keeps its Python function in .fn; its source carries the decorator
+    source = textwrap.dedent(inspect.getsource(getattr(original, "fn", original)))
     if source.count(mutant.old) != 1:
         raise ValueError(f"mutant {mutant.name}: {mutant.old!r} occurs "
                          f"{source.count(mutant.old)} times in {mutant.target}, not once")
@@ -68,6 +69,19 @@ def applied(mutant: Mutant) -> Iterator[None]:
         _rebind(mutated, original)
 
 
+def from_env() -> Mutant | None:
+    """The mutant named by EXACTNESS_MUTANT (how `make mutants` plants one into a whole run)."""
+    import os
+
+    name = os.environ.get("EXACTNESS_MUTANT")
+    if not name:
+        return None
+    by_name = {m.name: m for m in CATALOGUE}
+    if name not in by_name:
+        raise ValueError(f"EXACTNESS_MUTANT={name!r} is not in the catalogue: {sorted(by_name)}")
+    return by_name[name]
+
+
 CATALOGUE = (
     Mutant("nibble-order-reversed", "exactness.formats:unpack_weights",
            "shifts = np.arange(per, dtype=np.int64) * bits",
@@ -100,4 +114,9 @@ CATALOGUE = (
            ("tests/test_formats.py::test_decode_every_16bit_pattern_matches_torch",
             "tests/test_reference.py::test_reference_matches_oracle",
             "tests/test_vectors.py::test_every_vector")),
+    Mutant("cpu-limb-shift-dropped", "exactness.kernels.cpu:accumulate",
+           "<< (dataflow.LIMB_BITS * (i + j))", "<< (dataflow.LIMB_BITS * i)",
+           "a limb's place value lost when combining int8 GEMMs",
+           ("tests/test_modules.py::test_cpu_path_matches_reference",
+            "tests/test_modules.py::test_vectors_through_the_cpu_path")),
 )

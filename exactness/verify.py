@@ -29,6 +29,7 @@ class StageResult:
     seconds: float = 0.0
     detail: str = ""
     failures: list[str] = field(default_factory=list)
+    compared: int = 0  # contract outputs compared bit for bit
 
 
 @dataclass
@@ -85,18 +86,31 @@ def proofs_stage(profile: str) -> StageResult:
 
 def vectors_stage(profile: str) -> StageResult:
     from .cases import load_vectors
-    from .reference import oracle_linear, reference_linear
+    from .counterexamples import check_bits
+    from .paths import available_paths, run
 
     failures = []
     cases = load_vectors()
+    paths = available_paths()
     for case in cases:
-        args = (case.x_bits, case.x_format, case.weight_packed, case.scale_bits)
-        for path, fn in (("oracle", oracle_linear), ("reference", reference_linear)):
-            got = fn(*args, **case.kwargs())
-            if not (got == case.expected).all():
-                failures.append(f"{path}: {case.name}")
-    return StageResult("vectors", "failed" if failures else "passed", 2 * len(cases),
-                       detail="shared/vectors reproduced by the oracle and the numpy reference",
+        for path in paths:
+            try:
+                check_bits(case, path, run(case, path), case.expected, source="vectors")
+            except AssertionError as e:
+                failures.append(str(e))
+    return StageResult("vectors", "failed" if failures else "passed", len(paths) * len(cases),
+                       detail=f"shared/vectors reproduced by {', '.join(paths)}",
+                       failures=failures)
+
+
+def corpus_stage(profile: str) -> StageResult:
+    from .repro import replay
+
+    files = sorted((ROOT / "tests" / "counterexamples").glob("*.json"))
+    sink = open(os.devnull, "w")  # noqa: SIM115 - replay's report is not needed here
+    failures = [str(f) for f in files if replay(str(f), out=sink)]
+    return StageResult("corpus", "failed" if failures else ("passed" if files else "unknown"),
+                       len(files), detail="every counterexample ever found still replays exact",
                        failures=failures)
 
 
@@ -108,32 +122,63 @@ STAGES = [
                  "tests/test_proofs.py"),
     pytest_stage("equivalence", "every layer path == reference, bit for bit, full Kimi sizes too",
                  "tests/test_modules.py"),
+    Stage("corpus", "tests/counterexamples replayed on every path", corpus_stage),
     pytest_stage("mutants", "every planted bug is caught", "tests/test_mutants.py"),
 ]
 
 
+def _junit(results: list[StageResult]) -> str:
+    suite = ET.Element("testsuite", name="exactness-verify", tests=str(len(results)),
+                       failures=str(sum(r.verdict == "failed" for r in results)),
+                       errors=str(sum(r.verdict == "unknown" for r in results)))
+    for r in results:
+        case = ET.SubElement(suite, "testcase", classname="verify", name=r.name,
+                             time=str(r.seconds))
+        if r.verdict != "passed":
+            tag = "failure" if r.verdict == "failed" else "error"
+            ET.SubElement(case, tag, message=r.verdict).text = "\n".join(r.failures) or r.detail
+    return ET.tostring(suite, encoding="unicode")
+
+
 def main(thorough: bool = False, stages: list[str] | None = None) -> int:
+    from .mutants import from_env
+
     profile = "thorough" if thorough else "ci"
+    chosen = [s for s in STAGES if not stages or s.name in stages]
+    mutant = from_env()
+    print(f"exactness verify  (Hypothesis profile: {profile}"
+          f"{f', planted mutant: {mutant.name}' if mutant else ''})", flush=True)
+    REPORTS.mkdir(exist_ok=True)
     results = []
-    print(f"exactness verify  (Hypothesis profile: {profile})", flush=True)
-    for stage in STAGES:
-        if stages and stage.name not in stages:
-            continue
-        print(f"  [{len(results) + 1}/{len(STAGES)}] {stage.name}: {stage.what} ...", flush=True)
+    begin = time.perf_counter()
+    for i, stage in enumerate(chosen, 1):
+        print(f"  [{i}/{len(chosen)}] {stage.name}: {stage.what} ...", flush=True)
+        counts = REPORTS / f"count-{stage.name}.txt"
+        counts.unlink(missing_ok=True)
+        os.environ["EXACTNESS_COUNT_FILE"] = str(counts)
         start = time.perf_counter()
         result = stage.run(profile)
         result.seconds = round(time.perf_counter() - start, 2)
+        result.compared = sum(int(n) for n in counts.read_text().split()) if counts.exists() \
+            else 0
+        print(f"      {result.verdict} in {result.seconds:.1f} s "
+              f"(elapsed {time.perf_counter() - begin:.0f} s)", flush=True)
         results.append(result)
     width = max(len(r.name) for r in results)
-    print(f"\n  {'stage':<{width}}  verdict  checks  seconds")
+    print(f"\n  {'stage':<{width}}  verdict  checks  outputs compared  seconds")
     for r in results:
-        print(f"  {r.name:<{width}}  {r.verdict:<7}  {r.checks:>6}  {r.seconds:>7.1f}")
+        print(f"  {r.name:<{width}}  {r.verdict:<7}  {r.checks:>6}  {r.compared:>16}  "
+              f"{r.seconds:>7.1f}")
         for f in r.failures[:10]:
-            print(f"  {'':<{width}}    x {f}")
+            print(f"  {'':<{width}}    x {f[:400]}")
     ok = all(r.verdict == "passed" for r in results)
-    REPORTS.mkdir(exist_ok=True)
     report = {"verdict": "exact" if ok else "NOT exact", "profile": profile,
+              "mutant": mutant.name if mutant else None,
+              "seconds": round(time.perf_counter() - begin, 1),
+              "outputs_compared": sum(r.compared for r in results),
               "stages": [asdict(r) for r in results]}
     (REPORTS / "verify.json").write_text(json.dumps(report, indent=2))
-    print(f"\n  verdict: {report['verdict']}  (report: {REPORTS / 'verify.json'})")
+    (REPORTS / "verify-junit.xml").write_text(_junit(results))
+    print(f"\n  verdict: {report['verdict']}  ({report['outputs_compared']} outputs compared bit "
+          f"for bit, {report['seconds']} s; reports/verify.json, reports/verify-junit.xml)")
     return 0 if ok else 1

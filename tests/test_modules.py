@@ -29,6 +29,10 @@ def test_vectors_through_the_layer(path):
         check_bits(case, path, run(case, path), case.expected, source="vectors")
 
 
+def test_vectors_through_the_cpu_path():
+    test_vectors_through_the_layer("cpu")
+
+
 @given(linear_cases(max_k=256, max_n=40, max_rows=20))
 def test_cpu_path_matches_reference(case):
     check_path(case, "cpu")

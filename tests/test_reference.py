@@ -6,6 +6,7 @@ from hypothesis import strategies as st
 
 from exactness import dataflow
 from exactness.contract import BFLOAT16, FLOAT32, act_qmax
+from exactness.counterexamples import check_bits
 from exactness.reference import (
     oracle_linear,
     oracle_quantize_row,
@@ -26,7 +27,7 @@ def run_both(case):
 def test_reference_matches_oracle(case):
     want, got = run_both(case)
     note(f"oracle={want.tolist()} reference={got.tolist()}")
-    assert (got == want).all()
+    check_bits(case, "reference", got, want)
 
 
 @given(formats, st.sampled_from((4, 8, 16)), st.data())

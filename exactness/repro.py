@@ -1,0 +1,98 @@
+"""`python -m exactness repro FILE`: replay a counterexample against the reference and every path.
+
+Prints, per path, whether its bits equal the reference's and, where they do not, a readable diff:
+the row and output, both values exactly, the first (most significant) differing bit and what it
+is, and the group whose term dominates that output. Exit 1 while any replayed path still differs
+(the file's own path included), 0 once all agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from fractions import Fraction
+
+import numpy as np
+
+from .cases import LinearCase
+from .contract import BFLOAT16, GROUP_SIZE, FloatFormat
+from .counterexamples import _count, read
+from .formats import decode
+from .paths import available_paths, run
+from .reference import quantize_activations
+
+
+def describe_bits(bits: int, fmt: FloatFormat) -> str:
+    m, e = decode(int(bits), fmt)
+    value = Fraction(m) * Fraction(2) ** e
+    return f"{int(bits):#0{fmt.width // 4 + 2}x} ({float(value)!r})" if abs(m) < 2**60 else \
+        f"{int(bits):#x}"
+
+
+def bit_name(position: int, fmt: FloatFormat) -> str:
+    if position == fmt.width - 1:
+        return "the sign bit"
+    if position >= fmt.mant_bits:
+        return f"exponent bit {position - fmt.mant_bits}"
+    return f"mantissa bit {position}"
+
+
+def dominant_group(case: LinearCase, r: int, n: int) -> int:
+    qa, _ = quantize_activations(case.x_bits[r:r + 1], case.x_format, case.act_bits)
+    terms = []
+    for g in range(case.shape[1] // GROUP_SIZE):
+        ks = slice(GROUP_SIZE * g, GROUP_SIZE * (g + 1))
+        p = int((qa[0, ks] * case.q[n, ks]).sum())
+        m, e = decode(int(case.scale_bits[n, g]), BFLOAT16)
+        terms.append(abs(Fraction(p * m) * Fraction(2) ** e))
+    return int(np.argmax(terms)) if terms else 0
+
+
+def diff(case: LinearCase, got: np.ndarray, want: np.ndarray, limit: int = 5) -> list[str]:
+    fmt = case.out_format
+    where = np.argwhere(got != want)
+    lines = [f"{len(where)} of {want.size} outputs differ"]
+    for r, n in where[:limit]:
+        x = int(got[r, n]) ^ int(want[r, n])
+        lines.append(
+            f"  row {r}, out {n} (largest term: group {dominant_group(case, r, n)}): "
+            f"expected {describe_bits(want[r, n], fmt)}, got {describe_bits(got[r, n], fmt)}; "
+            f"first differing bit: {bit_name(x.bit_length() - 1, fmt)}")
+    return lines
+
+
+def replay(file: str, paths: list[str] | None = None, out=sys.stdout) -> int:
+    case, doc = read(file)
+    m, k, n = case.shape
+    print(f"{file}: {doc['source']} counterexample for path {doc['path']!r}, M={m} K={k} N={n}, "
+          f"act_bits={case.act_bits}, w_bits={case.w_bits}, {case.x_format.name} -> "
+          f"{case.out_format.name}", file=out)
+    if doc.get("note"):
+        print(f"  note: {doc['note']}", file=out)
+    want = run(case, "reference")
+    if case.expected is not None and (case.expected != want).any():
+        print("  the file's expected bits differ from today's reference:", file=out)
+        print("\n".join(diff(case, case.expected, want)), file=out)
+    failing = 0
+    if not paths:
+        paths = sorted((set(available_paths()) | {doc["path"]}) - {"reference"})
+        if m * k * n > 2**20:  # the Fraction oracle would take minutes: the reference suffices
+            paths.remove("oracle")
+    for path in paths:
+        got = run(case, path)
+        _count(want.size)
+        if (got == want).all():
+            print(f"  {path:<24} exact", file=out)
+        else:
+            failing += 1
+            print(f"  {path:<24} DIFFERS: " + "\n".join(diff(case, got, want)), file=out)
+    print("still fails" if failing else "fixed: every path agrees with the reference", file=out)
+    return 1 if failing else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m exactness repro", description=__doc__)
+    parser.add_argument("files", nargs="+")
+    parser.add_argument("--path", action="append", help="replay only these paths")
+    args = parser.parse_args(argv)
+    return max(replay(f, args.path) for f in args.files)
