@@ -26,6 +26,9 @@ test: setup
 verify: setup
 	$(BIN)/python -m exactness verify $(VERIFY_ARGS)
 
+mutants: setup
+	$(BIN)/python -m exactness mutants
+
 repro: setup
 	$(BIN)/python -m exactness repro $(FILE)
 

@@ -33,6 +33,11 @@ def _dispatch(argv: list[str] | None) -> int:
         from proofs.prover import main as prove_main
 
         return prove_main(argv[1:])
+    sub.add_parser("mutants", help="the mutation catalogue against the suite", add_help=False)
+    if argv[:1] == ["mutants"]:
+        from .mutants import main as mutants_main
+
+        return mutants_main(argv[1:])
     if argv[:1] == ["repro"]:
         from .repro import main as repro_main
 

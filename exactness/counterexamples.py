@@ -24,7 +24,8 @@ from .formats import unpack_weights
 
 FORMAT = "exactness-counterexample"
 VERSION = 1
-DEFAULT_DIR = Path(os.environ.get("EXACTNESS_COUNTEREXAMPLES", "reports/counterexamples"))
+def default_dir() -> Path:
+    return Path(os.environ.get("EXACTNESS_COUNTEREXAMPLES", "reports/counterexamples"))
 
 
 def _rows(a: np.ndarray, width: int) -> list[list[str]]:
@@ -66,7 +67,7 @@ def write(case: LinearCase, *, path: str, expected=None, actual=None, source: st
     text = json.dumps(doc, indent=1)
     key = hashlib.sha256(json.dumps([doc["x_bits"], doc["weight_packed"],
                                      doc["weight_scale_bits"], doc["act_bits"], path]).encode())
-    directory = Path(directory or DEFAULT_DIR)
+    directory = Path(directory or default_dir())
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / f"{path}-{key.hexdigest()[:12]}.json"
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")

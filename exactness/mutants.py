@@ -15,6 +15,7 @@ import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -24,14 +25,24 @@ class Mutant:
     old: str  # a snippet that occurs exactly once in the function's source ...
     new: str  # ... and what replaces it
     bug: str  # the class of real bug it stands for
-    killers: tuple[str, ...]  # "tests/test_x.py::test_y", each must fail under the mutant
+    killers: tuple[str, ...]  # "tests/test_x.py::test_y": the first must fail under the mutant
+    every_killer: bool = False  # the agreement tests of issue 2: each one must fail
+
+
+def _resolve(target: str):
+    """(owner, name, original) of "package.module:function" or "package.module:Class.method"."""
+    module_name, path = target.split(":")
+    owner = importlib.import_module(module_name)
+    *outer, name = path.split(".")
+    for part in outer:
+        owner = getattr(owner, part)
+    return owner, name, getattr(owner, name)
 
 
 def mutated_function(mutant: Mutant):
     """(original, mutated): the target function and its mutated twin, compiled in memory."""
-    module_name, func_name = mutant.target.split(":")
-    module = importlib.import_module(module_name)
-    original = getattr(module, func_name)
+    owner, name, original = _resolve(mutant.target)
+    module = sys.modules[mutant.target.split(":")[0]]
     # a @triton.jit kernel keeps its Python function in .fn; its source carries the decorator
     source = textwrap.dedent(inspect.getsource(getattr(original, "fn", original)))
     if source.count(mutant.old) != 1:
@@ -40,7 +51,7 @@ def mutated_function(mutant: Mutant):
     namespace = dict(vars(module))
     code = compile(source.replace(mutant.old, mutant.new), f"<mutant {mutant.name}>", "exec")
     exec(code, namespace)  # noqa: S102 - the point: our own source, one planted change
-    return original, namespace[func_name]
+    return original, namespace[name]
 
 
 def _rebind(old, new) -> None:
@@ -62,11 +73,119 @@ def applied(mutant: Mutant) -> Iterator[None]:
     bound to the mutant) is put right too.
     """
     original, mutated = mutated_function(mutant)
-    _rebind(original, mutated)
+    owner, name, _ = _resolve(mutant.target)
+    if isinstance(owner, type):  # a method: it lives in its class
+        setattr(owner, name, mutated)
+    else:
+        _rebind(original, mutated)
     try:
         yield
     finally:
-        _rebind(mutated, original)
+        if isinstance(owner, type):
+            setattr(owner, name, original)
+        else:
+            _rebind(mutated, original)
+
+
+@dataclass
+class Outcome:
+    mutant: str
+    killed_by: str | None
+    seconds_to_first: float | None
+    seconds: float
+    counterexample: str | None
+    size: str | None  # M x K x N of the shrunk counterexample
+    replays_clean: bool | None  # repro of that file against the unmutated code passes
+
+
+def hunt(mutant: Mutant, directory: Path) -> Outcome:
+    """Run the mutant's killers in order until one fails; keep its shrunk counterexample."""
+    import importlib as _importlib
+    import os
+    import shutil
+    import time
+
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True)
+    os.environ["EXACTNESS_COUNTEREXAMPLES"] = str(directory)
+    tests = [(node, _killer(node)) for node in mutant.killers]
+    start = time.perf_counter()
+    killed_by = None
+    with applied(mutant):
+        for node, test in tests:
+            began = time.time()
+            try:
+                test()
+            except Exception:  # noqa: BLE001 - a failure or a crash both kill
+                killed_by = node
+                break
+    seconds = time.perf_counter() - start
+    files = sorted(directory.glob("*.json"), key=lambda f: f.stat().st_mtime_ns)
+    first = files[0].stat().st_mtime - began if files and killed_by else None
+    kept, size, clean = None, None, None
+    if files:  # Hypothesis replays the shrunk example last: the newest file is the minimal one
+        from .counterexamples import read
+        from .repro import replay
+
+        kept = directory.parent / f"{mutant.name}.json"
+        shutil.copy(files[-1], kept)
+        m, k, n = read(kept)[0].shape
+        size = f"{m}x{k}x{n}"
+        clean = replay(str(kept), out=open(os.devnull, "w")) == 0  # noqa: SIM115
+        for f in files:
+            f.unlink()
+        directory.rmdir()
+    _importlib.invalidate_caches()
+    return Outcome(mutant.name, killed_by, None if first is None else round(first, 2),
+                   round(seconds, 2), str(kept) if kept else None, size, clean)
+
+
+def _killer(node_id: str):
+    path, name = node_id.split("::")
+    module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
+    return getattr(module, name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`make mutants`: every mutant against the suite's properties (ci profile), one table."""
+    import argparse
+    import json
+    import os
+    import statistics
+    from dataclasses import asdict
+    from pathlib import Path
+
+    parser = argparse.ArgumentParser(prog="python -m exactness mutants")
+    parser.add_argument("--only", action="append", help="run only these mutants")
+    parser.add_argument("--out", default="reports/mutants")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HYPOTHESIS_PROFILE", "ci")
+    import conftest  # noqa: F401 - registers and loads the Hypothesis profiles
+
+    out = Path(args.out)
+    outcomes = []
+    print(f"{'mutant':<42} {'verdict':<9} {'first cex s':>11} {'total s':>8}  {'size':<12} "
+          f"killed by")
+    for mutant in CATALOGUE:
+        if args.only and mutant.name not in args.only:
+            continue
+        o = hunt(mutant, out / mutant.name)
+        outcomes.append(o)
+        verdict = "killed" if o.killed_by else "SURVIVED"
+        if o.killed_by and o.replays_clean is False:
+            verdict = "killed*"  # its counterexample does not replay clean unmutated
+        first = "-" if o.seconds_to_first is None else f"{o.seconds_to_first:.2f}"
+        print(f"{o.mutant:<42} {verdict:<9} {first:>11} {o.seconds:>8.2f}  {o.size or '-':<12} "
+              f"{o.killed_by or '-'}", flush=True)
+    killed = [o for o in outcomes if o.killed_by]
+    firsts = [o.seconds_to_first for o in killed if o.seconds_to_first is not None]
+    ok = len(killed) == len(outcomes) and all(o.replays_clean is not False for o in killed)
+    print(f"\n{len(killed)}/{len(outcomes)} killed"
+          f"{f', median time to the first counterexample {statistics.median(firsts):.2f} s' if firsts else ''}"  # noqa: E501
+          f"; counterexamples in {out}/")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "mutants.json").write_text(json.dumps([asdict(o) for o in outcomes], indent=1))
+    return 0 if ok else 1
 
 
 def from_env() -> Mutant | None:
@@ -82,41 +201,123 @@ def from_env() -> Mutant | None:
     return by_name[name]
 
 
+ORACLE_VECTORS = "tests/test_vectors.py::test_every_vector_through_the_oracle"
+VECTORS = "tests/test_vectors.py::test_every_vector"
+AGREEMENT = "tests/test_reference.py::test_reference_matches_oracle"
+CPU = "tests/test_modules.py::test_cpu_path_matches_reference"
+CPU_VECTORS = "tests/test_modules.py::test_vectors_through_the_cpu_path"
+TRITON = "tests/test_modules.py::test_triton_path_matches_reference"
+TRITON_VECTORS = "tests/test_modules.py::test_vectors_through_the_triton_path"
+KERNEL = "exactness.kernels.triton_exact:exact_group_kernel"
+
 CATALOGUE = (
+    # --- packing and decoding
     Mutant("nibble-order-reversed", "exactness.formats:unpack_weights",
            "shifts = np.arange(per, dtype=np.int64) * bits",
            "shifts = (per - 1 - np.arange(per, dtype=np.int64)) * bits",
            "nibble order reversed when repacking (llama.cpp, Kimi int4 -> Q4_0)",
-           ("tests/test_formats.py::test_unpack_matches_compressed_tensors",
-            "tests/test_reference.py::test_reference_matches_oracle",
-            "tests/test_vectors.py::test_every_vector")),
+           (AGREEMENT, "tests/test_formats.py::test_unpack_matches_compressed_tensors",
+            VECTORS), every_killer=True),
+    Mutant("int4-read-as-twos-complement", "exactness.formats:unpack_weights",
+           "return (fields - 2 ** (bits - 1))",
+           "return (fields - ((fields >> (bits - 1)) << bits))",
+           "int4 read as another 4-bit type (vLLM batched Marlin's hard-coded type id)",
+           (AGREEMENT, "tests/test_formats.py::test_unpack_matches_compressed_tensors")),
+    Mutant("kernel-nibble-order-reversed", KERNEL,
+           "shift_of_k = (offs_k % per_word) * W_BITS",
+           "shift_of_k = (per_word - 1 - offs_k % per_word) * W_BITS",
+           "nibble order reversed in the kernel's unpack", (TRITON, TRITON_VECTORS)),
+    Mutant("kernel-high-nibble-sign-extended", KERNEL,
+           "w = ((words >> shift_of_k[None, :]) & ((1 << W_BITS) - 1)) - (1 << (W_BITS - 1))",
+           "w = (words >> shift_of_k[None, :]) - (1 << (W_BITS - 1))",
+           "sign of the high nibble kept by an arithmetic shift (compressed-tensors review)",
+           (TRITON, TRITON_VECTORS)),
+    Mutant("subnormal-exponent-off-by-one", "exactness.formats:decode",
+           "e = fmt.quantum_min + max(field - 1, 0)", "e = fmt.quantum_min + field - 1",
+           "subnormal exponent taken as emin - 1",
+           (ORACLE_VECTORS, "tests/test_formats.py::test_decode_matches_torch"),
+           every_killer=True),
+    Mutant("subnormal-exponent-off-by-one-vectorized", "exactness.formats:decode_array",
+           "e = fmt.quantum_min + (field - 1).clip(min=0)", "e = fmt.quantum_min + field - 1",
+           "subnormal exponent taken as emin - 1",
+           (AGREEMENT, "tests/test_formats.py::test_decode_every_16bit_pattern_matches_torch",
+            VECTORS), every_killer=True),
+    # --- group scales and tiles
+    Mutant("kernel-scale-of-the-previous-group", KERNEL,
+           "c = tl.load(c_ptr + offs_n * stride_cn + g, mask=mask_n, other=0)",
+           "c = tl.load(c_ptr + offs_n * stride_cn + tl.maximum(g - 1, 0), mask=mask_n, other=0)",
+           "group g's scale applied to group g + 1", (TRITON, TRITON_VECTORS)),
+    Mutant("tile-of-64-with-one-scale", "exactness.kernels.cpu:FoldedWeights.__init__",
+           "scale[:, :, None]", "scale[:, (torch.arange(k // GROUP_SIZE) // 2) * 2, None]",
+           "one group's scale applied to a whole tile wider than the group (vLLM triton w4a16)",
+           (CPU, CPU_VECTORS)),
+    Mutant("kernel-tail-group-dropped", KERNEL, "for g in range(0, G):",
+           "for g in range(0, G - 1):", "the last group of K never accumulated",
+           (TRITON, TRITON_VECTORS)),
+    Mutant("kernel-int4-word-stride-hard-coded", KERNEL,
+           "(g * W_BITS + word_of_k)", "(g * 4 + word_of_k)",
+           "a group's word offset hard-coded for int4: 8-bit weights read from the wrong words",
+           (TRITON, TRITON_VECTORS)),
+    # --- accumulators
+    Mutant("kernel-int32-combine", "exactness.kernels.triton_exact:accumulate",
+           "COMBINE_ACC=_INT[dataflow.COMBINE_ACC_BITS]", "COMBINE_ACC=_INT[32]",
+           "an int32 accumulator where the contract needs int64",
+           (TRITON, "tests/test_modules.py::test_full_kimi_size_triton_act16")),
+    Mutant("cpu-limb-shift-dropped", "exactness.kernels.cpu:accumulate",
+           "<< (dataflow.LIMB_BITS * (i + j))", "<< (dataflow.LIMB_BITS * i)",
+           "a limb's place value lost when combining int8 GEMMs", (CPU, CPU_VECTORS)),
+    Mutant("limb-saturates", "exactness.dataflow:int8_digits",
+           "low = ((rest + 128) & 255) - 128", "low = rest.clamp(-128, 127)",
+           "saturating instead of splitting into limbs", (CPU, CPU_VECTORS)),
+    Mutant("overflow-wraps-instead-of-inf", "exactness.formats:round_scaled_array",
+           "xp.where(field >= fmt.exp_max_field, fmt.inf_bits,\n"
+           "                 (field << fmt.mant_bits)",
+           "xp.where(field >= 10**9, fmt.inf_bits,\n                 (field << fmt.mant_bits)",
+           "an exponent past the format wraps instead of rounding to inf",
+           (AGREEMENT, VECTORS)),
+    # --- rounding
     Mutant("rne-as-half-up", "exactness.formats:round_scaled",
            "if rem > half or (rem == half and n & 1):", "if rem >= half:",
            "round half up instead of ties to even",
-           ("tests/test_formats.py::test_round_fp32_matches_torch",
-            "tests/test_formats.py::test_round_array_matches_scalar_near_ties",
-            "tests/test_vectors.py::test_every_vector_through_the_oracle")),
+           (ORACLE_VECTORS, "tests/test_formats.py::test_round_fp32_matches_torch",
+            "tests/test_formats.py::test_round_array_matches_scalar_near_ties"),
+           every_killer=True),
+    Mutant("rne-as-half-away", "exactness.formats:rne_shift_right",
+           "((rem > half) | ((rem == half) & ((n & 1) == 1)))", "(rem >= half)",
+           "round half away from zero instead of ties to even",
+           (AGREEMENT, "tests/test_formats.py::test_round_array_matches_scalar_near_ties")),
+    Mutant("rne-as-truncation", "exactness.formats:rne_shift_right",
+           "return n + ((s > 0) &", "return n + (s < 0) * (",
+           "truncation instead of rounding", (AGREEMENT, VECTORS)),
     Mutant("sticky-bit-ignored", "exactness.formats:rne_shift_right",
            "((rem > half) | ((rem == half) & ((n & 1) == 1)))",
            "((rem >= half) & ((n & 1) == 1))",
            "round on the guard bit alone: every value past half an ulp is treated as a tie",
-           ("tests/test_formats.py::test_round_array_matches_scalar_near_ties",
-            "tests/test_reference.py::test_reference_matches_oracle",
-            "tests/test_vectors.py::test_every_vector")),
-    Mutant("subnormal-exponent-off-by-one", "exactness.formats:decode",
-           "e = fmt.quantum_min + max(field - 1, 0)", "e = fmt.quantum_min + field - 1",
-           "subnormal exponent taken as emin - 1",
-           ("tests/test_formats.py::test_decode_matches_torch",
-            "tests/test_vectors.py::test_every_vector_through_the_oracle")),
-    Mutant("subnormal-exponent-off-by-one-vectorized", "exactness.formats:decode_array",
-           "e = fmt.quantum_min + (field - 1).clip(min=0)", "e = fmt.quantum_min + field - 1",
-           "subnormal exponent taken as emin - 1",
-           ("tests/test_formats.py::test_decode_every_16bit_pattern_matches_torch",
-            "tests/test_reference.py::test_reference_matches_oracle",
-            "tests/test_vectors.py::test_every_vector")),
-    Mutant("cpu-limb-shift-dropped", "exactness.kernels.cpu:accumulate",
-           "<< (dataflow.LIMB_BITS * (i + j))", "<< (dataflow.LIMB_BITS * i)",
-           "a limb's place value lost when combining int8 GEMMs",
-           ("tests/test_modules.py::test_cpu_path_matches_reference",
-            "tests/test_modules.py::test_vectors_through_the_cpu_path")),
+           (AGREEMENT, "tests/test_formats.py::test_round_array_matches_scalar_near_ties",
+            VECTORS), every_killer=True),
+    Mutant("double-rounding-through-fp32", "exactness.modules:_PackedExactLinear.forward",
+           "y = round_scaled_array(t, e_r[:, None] + cert.emin.to(x.device)[None, :], out_format)",
+           "y = float_bits(torch.ldexp(t.double(), (e_r[:, None] + cert.emin[None, :]).double())"
+           ".float().to(out_dtype))",
+           "the exact integer rounded to fp32, then to bf16 (Marlin epilogue, OpenVINO)",
+           ("tests/test_modules.py::test_final_rounding_near_ties", CPU)),
+    # --- activation quantization
+    Mutant("activation-exponent-too-small-clamped", "exactness.kernels.activations:quantize_rows",
+           "return torch.round(scaled).to(torch.int32), e_r",
+           "qmax = 2 ** (act_bits - 1) - 1\n"
+           "    return torch.round(scaled * 2).clamp(-qmax, qmax).to(torch.int32), e_r - 1",
+           "activation scale exponent one too small, the overflow clamped", (CPU, CPU_VECTORS)),
+    Mutant("activation-exponent-too-large", "exactness.kernels.activations:quantize_rows",
+           "return torch.round(scaled).to(torch.int32), e_r",
+           "return torch.round(scaled / 2).to(torch.int32), e_r + 1",
+           "activation scale exponent one too large: a bit of precision lost", (CPU, CPU_VECTORS)),
+    Mutant("negative-zero-for-exact-zero", "exactness.modules:_PackedExactLinear.forward",
+           "return bits_to_tensor(y, out_format)", "return bits_to_tensor(torch.where(y == 0, "
+           "out_format.sign_bit, y), out_format)",
+           "-0.0 for an exact zero", (CPU_VECTORS, CPU)),
+    Mutant("row-scale-from-the-batch", "exactness.kernels.activations:quantize_rows",
+           "amax = x.abs().amax(dim=1, keepdim=True)",
+           "amax = x.abs().amax().expand(x.shape[0], 1)",
+           "one activation scale for the whole batch: a row's bits depend on the others",
+           (CPU, "tests/test_modules.py::test_batch_and_permutation_invariance")),
 )

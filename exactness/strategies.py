@@ -220,7 +220,37 @@ def linear_cases(draw, max_k: int = 256, max_n: int = 8, max_rows: int = 4, kimi
     wb = w_bits if w_bits is not None else draw(st.sampled_from((4, 4, 4, 8)))
     ab = act_bits_ if act_bits_ is not None else draw(act_bits)
     xf = float_format(x_format) if x_format else draw(formats)
-    of = float_format(out_format) if out_format else draw(st.sampled_from([xf, FORMATS["float32"]]))
+    of = float_format(out_format) if out_format else draw(
+        st.sampled_from([xf, FORMATS["float32"], FORMATS["bfloat16"], FORMATS["float16"]]))
     q, packed = draw(packed_weights(n, k, wb))
     return LinearCase(draw(activation_bits(rows, k, xf, ab)), xf, q, packed,
                       draw(scale_bits(n, k // GROUP_SIZE)), ab, of, wb)
+
+
+@st.composite
+def final_rounding_near_ties(draw, out_format=None):
+    """Cases whose exact outputs sit at (or one unit beside) a tie of the output format, with
+    more significant bits than fp32 holds: where rounding through fp32 first goes wrong.
+
+    K = 64, two groups with scales 2**12 and 1 (a spread the fast paths certify; times 2**-20 for
+    fp16), fp32 activations with e_r = 0 (an element of 20000, weight 0, pins it), so
+    T = qa[0] * 2**12 + qa[32], with qa[0] = odd << (12 - p) and odd of p + 1 bits: T has 25.
+    """
+    out = float_format(out_format) if out_format else draw(
+        st.sampled_from([FORMATS["bfloat16"], FORMATS["float16"]]))
+    rows, n = draw(st.integers(1, 3)), draw(st.integers(1, 3))
+    f32 = FORMATS["float32"]
+    p = out.precision
+    x = np.zeros((rows, 64), np.int64)
+    q = np.zeros((n, 64), np.int64)
+    q[:, 0], q[:, 32] = 1, 1
+    for r in range(rows):
+        odd = 2 ** p + 1 + 2 * draw(st.integers(0, 2 ** (p - 1) - 1))  # p + 1 bits, tie bit set
+        sign = draw(st.sampled_from((1, -1)))
+        x[r, 0] = round_scaled(sign * odd << (12 - p), 0, f32)
+        x[r, 32] = round_scaled(sign * draw(st.sampled_from((-1, 0, 1))), 0, f32)
+        x[r, 1] = round_scaled(20000, 0, f32)
+    off = -20 if out.exp_bits < 8 else 0  # keep fp16 outputs finite: a power of two moves no tie
+    scales = np.tile(np.array([[round_scaled(1, 12 + off, BFLOAT16),
+                                round_scaled(1, off, BFLOAT16)]]), (n, 1))
+    return LinearCase(x, f32, q, pack_weights(q, 4), scales, 16, out)

@@ -12,7 +12,14 @@ from exactness.contract import BFLOAT16, FLOAT32, FORMATS
 from exactness.counterexamples import check_bits
 from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits
 from exactness.paths import available_paths, layer_for, run
-from exactness.strategies import KIMI_SHAPES, activation_bits, linear_cases, scale_bits, seeds
+from exactness.strategies import (
+    KIMI_SHAPES,
+    activation_bits,
+    final_rounding_near_ties,
+    linear_cases,
+    scale_bits,
+    seeds,
+)
 
 LAYER_PATHS = [p for p in available_paths() if p in ("cpu", "triton")]
 needs_triton = pytest.mark.skipif("triton" not in LAYER_PATHS,
@@ -33,6 +40,11 @@ def test_vectors_through_the_cpu_path():
     test_vectors_through_the_layer("cpu")
 
 
+@needs_triton
+def test_vectors_through_the_triton_path():
+    test_vectors_through_the_layer("triton")
+
+
 @given(linear_cases(max_k=256, max_n=40, max_rows=20))
 def test_cpu_path_matches_reference(case):
     check_path(case, "cpu")
@@ -42,6 +54,13 @@ def test_cpu_path_matches_reference(case):
 @given(linear_cases(max_k=128, max_n=40, max_rows=20))
 def test_triton_path_matches_reference(case):
     check_path(case, "triton")
+
+
+@given(final_rounding_near_ties())
+def test_final_rounding_near_ties(case):
+    """One rounding from the exact integer: rounding through fp32 first would round twice."""
+    for path in LAYER_PATHS:
+        check_path(case, path)
 
 
 @given(linear_cases(max_k=96, max_n=8, max_rows=3), st.data())
@@ -74,6 +93,11 @@ def test_full_kimi_sizes(path, act_bits):
         check_path(case, path)
 
     full_size()
+
+
+@needs_triton
+def test_full_kimi_size_triton_act16():
+    test_full_kimi_sizes("triton", 16)
 
 
 def test_dense_mlp_input_size_18432():

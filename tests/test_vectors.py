@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from exactness.cases import load_vectors
+from exactness.counterexamples import check_bits
 from exactness.reference import oracle_linear, reference_linear
 
 VECTORS = load_vectors()
@@ -33,11 +34,11 @@ def test_every_vector():
     for case in VECTORS:
         got = reference_linear(case.x_bits, case.x_format, case.weight_packed, case.scale_bits,
                                **case.kwargs())
-        assert (got == case.expected).all(), case
+        check_bits(case, "reference", got, case.expected, source="vectors")
 
 
 def test_every_vector_through_the_oracle():
     for case in VECTORS:
         got = oracle_linear(case.x_bits, case.x_format, case.weight_packed, case.scale_bits,
                             **case.kwargs())
-        assert (np.array(got) == case.expected).all(), case
+        check_bits(case, "oracle", np.array(got), case.expected, source="vectors")
