@@ -33,6 +33,11 @@ def _dispatch(argv: list[str] | None) -> int:
         from proofs.prover import main as prove_main
 
         return prove_main(argv[1:])
+    kimi = sub.add_parser("kimi", help="check a Kimi checkpoint directory on disk")
+    kimi.add_argument("checkpoint_dir")
+    kimi.add_argument("--layers", type=int, nargs="+")
+    kimi.add_argument("--experts", type=int, nargs="+")
+    kimi.add_argument("--tokens", type=int, default=4, help="sampled tokens per projection")
     sub.add_parser("mutants", help="the mutation catalogue against the suite", add_help=False)
     if argv[:1] == ["mutants"]:
         from .mutants import main as mutants_main
@@ -43,6 +48,10 @@ def _dispatch(argv: list[str] | None) -> int:
 
         return repro_main(argv[1:])
     args = parser.parse_args(argv)
+    if args.command == "kimi":
+        from .kimi import check_checkpoint
+
+        return check_checkpoint(args.checkpoint_dir, args.layers, args.experts, args.tokens)
     if args.command == "verify":
         from .verify import main as verify_main
 

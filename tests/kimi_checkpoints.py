@@ -1,0 +1,68 @@
+"""Kimi-format checkpoints written by the tests themselves, in the real layout: the int4 tensors
+by compressed-tensors' own compressor (so the format is the peer's), several shards, an index,
+a config.json with the quantization_config (K2 Thinking flat, or K2.5 nested)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+from safetensors.torch import save_file
+
+SCHEME = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
+    num_bits=4, type="int", symmetric=True, strategy="group", group_size=32))
+QUANT_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized", "weights": {
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+               r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]}
+
+
+def compressed_projection(n: int, k: int, generator: torch.Generator) -> dict:
+    """A routed-expert projection as compressed-tensors writes it: QAT-like bf16 scales."""
+    w = (torch.randn(n, k, generator=generator) * 0.02).bfloat16()
+    scale = (w.float().abs().view(n, k // 32, 32).amax(-1) / 7).clamp(min=1e-8).bfloat16()
+    return PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, SCHEME)
+
+
+def write_checkpoint(directory: Path, *, hidden: int = 64, inter: int = 32,
+                     layers: dict[int, list[int]] | None = None, k25: bool = False,
+                     shards: int = 2, seed: int = 0, dense: bool = True) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    layers = layers or {1: [0, 1, 2, 3]}
+    prefix = "language_model." if k25 else ""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for layer, experts in layers.items():
+        for e in experts:
+            for proj, (n, k) in (("gate", (inter, hidden)), ("up", (inter, hidden)),
+                                 ("down", (hidden, inter))):
+                name = f"{prefix}model.layers.{layer}.mlp.experts.{e}.{proj}_proj"
+                for key, t in compressed_projection(n, k, g).items():
+                    tensors[f"{name}.{key}"] = t.contiguous()
+        if dense:  # shared experts stay bf16 in the checkpoint
+            for proj, (n, k) in (("gate", (inter, hidden)), ("up", (inter, hidden)),
+                                 ("down", (hidden, inter))):
+                tensors[f"{prefix}model.layers.{layer}.mlp.shared_experts.{proj}_proj.weight"] = (
+                    torch.randn(n, k, generator=g) * 0.02).bfloat16()
+    names = sorted(tensors)
+    weight_map = {}
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        part = names[s::shards]
+        save_file({n: tensors[n] for n in part}, str(directory / file))
+        weight_map.update({n: file for n in part})
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    text = {"hidden_size": hidden, "moe_intermediate_size": inter, "intermediate_size": 2 * hidden,
+            "n_routed_experts": max(e for ex in layers.values() for e in ex) + 1,
+            "num_experts_per_tok": 2, "num_hidden_layers": max(layers) + 1,
+            "first_k_dense_replace": 1, "quantization_config": QUANT_CONFIG}
+    config = {"model_type": "kimi_k25", "text_config": text} if k25 else {
+        "model_type": "kimi_k2", **text}
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
