@@ -9,7 +9,7 @@ export HYPOTHESIS_PROFILE
 export TRITON_INTERPRET ?= 1
 PYTEST_ARGS ?= -n 2
 
-.PHONY: setup test verify lint prove bench mutants repro clean
+.PHONY: setup test verify lint prove bench mutants repro precision clean
 
 setup: $(STAMP)
 
@@ -25,6 +25,9 @@ test: setup
 
 verify: setup
 	$(BIN)/python -m exactness verify $(VERIFY_ARGS)
+
+precision: setup
+	TRITON_INTERPRET=0 $(BIN)/python -m exactness precision
 
 mutants: setup
 	$(BIN)/python -m exactness mutants

@@ -39,6 +39,12 @@ def _dispatch(argv: list[str] | None) -> int:
     kimi.add_argument("--experts", type=int, nargs="+")
     kimi.add_argument("--tokens", type=int, default=4, help="sampled tokens per projection")
     sub.add_parser("mutants", help="the mutation catalogue against the suite", add_help=False)
+    sub.add_parser("precision", help="the precision report (reports/precision.md)",
+                   add_help=False)
+    if argv[:1] == ["precision"]:
+        from .precision import main as precision_main
+
+        return precision_main(argv[1:])
     if argv[:1] == ["mutants"]:
         from .mutants import main as mutants_main
 
