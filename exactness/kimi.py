@@ -21,7 +21,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .contract import DEFAULT_ACT_BITS, ExactnessError
+from .contract import BFLOAT16, DEFAULT_ACT_BITS, ExactnessError
+from .formats import check_finite, float_bits
 from .modules import ExactLinear, PackedInt4Linear
 
 
@@ -281,10 +282,7 @@ class KimiCheckpoint:
         self._checked.update({self.name_for(module_name, "weight_scale"): scale,
                               self.name_for(module_name, "weight_shape"): shape})
         try:
-            from .contract import BFLOAT16
-            from .formats import check_finite
-
-            check_finite(float_bits_of(scale), BFLOAT16, "weight_scale")
+            check_finite(float_bits(scale), BFLOAT16, "weight_scale")
             if [int(v) for v in shape] != [layer.out_features, layer.in_features]:
                 raise KimiCheckpointError(f"weight_shape: {[int(v) for v in shape]}, but the "
                                           f"layer is [{layer.out_features}, {layer.in_features}]")
@@ -345,12 +343,6 @@ class ConversionReport:
         return {"routed_converted": self.routed_converted, "routed_loaded": self.routed_loaded,
                 "dense_converted": self.dense_converted, "left_bf16": len(self.left_bf16),
                 "bytes_read": self.bytes_read, "peak_rss_growth": self.peak_rss_growth}
-
-
-def float_bits_of(t: torch.Tensor) -> torch.Tensor:
-    from .formats import float_bits
-
-    return float_bits(t)
 
 
 def _set(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -414,7 +406,7 @@ def check_checkpoint(directory: str | Path, layers: list[int] | None = None,
     import sys
     import time
 
-    from .formats import float_bits, tensor_to_bits
+    from .formats import tensor_to_bits
     from .reference import reference_linear
 
     start = time.perf_counter()
