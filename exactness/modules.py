@@ -36,7 +36,7 @@ from .formats import (
     round_scaled_array,
     unpack_weights,
 )
-from .kernels import cpu, triton_exact
+from .kernels import cpu, native, triton_exact
 from .kernels.activations import quantize_rows
 from .reference import reference_linear
 
@@ -115,6 +115,7 @@ class _PackedExactLinear(nn.Module):
         self._derived_key = None
         self._certificate: Certificate | None = None
         self._folded: cpu.FoldedWeights | None = None
+        self._native: native.NativeWeights | None = None
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -169,15 +170,25 @@ class _PackedExactLinear(nn.Module):
         check_finite(float_bits(self.weight_scale), BFLOAT16, "weight_scale")
         self._certificate = certify(self.weight_scale, self.in_features, self.bits,
                                     self.act_bits)
-        self._folded = None
+        self._folded = self._native = None
         self._derived_key = self._key()
+
+    def _unpacked(self) -> torch.Tensor:
+        return torch.from_numpy(unpack_weights(self.weight_packed.cpu().numpy(), self.bits,
+                                               self.in_features))
+
+    def _native_weights(self) -> native.NativeWeights:
+        if self._native is None:
+            cert = self._certificate
+            self._native = native.NativeWeights(self._unpacked(), cert.mantissa.cpu(),
+                                                cert.shift.cpu())
+        return self._native
 
     def _folded_weights(self) -> cpu.FoldedWeights:
         if self._folded is None:
-            q = torch.from_numpy(unpack_weights(self.weight_packed.cpu().numpy(), self.bits,
-                                                self.in_features))
             cert = self._certificate
-            self._folded = cpu.FoldedWeights(q, cert.mantissa.cpu(), cert.shift.cpu())
+            self._folded = cpu.FoldedWeights(self._unpacked(), cert.mantissa.cpu(),
+                                             cert.shift.cpu())
         return self._folded
 
     def derived_nbytes(self) -> int:
@@ -186,7 +197,7 @@ class _PackedExactLinear(nn.Module):
         cert = self._certificate
         total = sum(t.numel() * t.element_size()
                     for t in (cert.emin, cert.spread, cert.mantissa, cert.shift, cert.fast))
-        return total + (self._folded.nbytes if self._folded is not None else 0)
+        return total + sum(d.nbytes for d in (self._folded, self._native) if d is not None)
 
     # ----------------------------------------------------------------- forward
 
@@ -215,16 +226,21 @@ class _PackedExactLinear(nn.Module):
         self._derive()
         cert = self._certificate
         qa, e_r = quantize_rows(x2, self.act_bits)
-        limbs = dataflow.activation_limbs(qa, self.act_bits)
-        if self.path_for(x) == "triton":
-            t = triton_exact.accumulate(limbs.contiguous(), self.weight_packed,
-                                        cert.mantissa.to(x.device), cert.shift.to(x.device),
-                                        self.bits)
-        elif cpu.int_mm_exact():
-            t = cpu.accumulate(limbs, self._folded_weights())
+        path = self.path_for(x)
+        if path == "cpu" and native.library() is not None:  # AVX-512 VNNI, self-checked
+            t = native.accumulate(qa, self.act_bits, self._native_weights())
+            y = native.round_rows(t, n, e_r, cert.emin, out_format)
         else:
-            t = cpu.accumulate_int64(qa, self._folded_weights())
-        y = round_scaled_array(t, e_r[:, None] + cert.emin.to(x.device)[None, :], out_format)
+            limbs = dataflow.activation_limbs(qa, self.act_bits)
+            if path == "triton":
+                t = triton_exact.accumulate(limbs.contiguous(), self.weight_packed,
+                                            cert.mantissa.to(x.device), cert.shift.to(x.device),
+                                            self.bits)
+            elif cpu.int_mm_exact():
+                t = cpu.accumulate(limbs, self._folded_weights())
+            else:
+                t = cpu.accumulate_int64(qa, self._folded_weights())
+            y = round_scaled_array(t, e_r[:, None] + cert.emin.to(x.device)[None, :], out_format)
         slow = cert.slow_rows
         if slow.numel():  # scale spreads no fast path holds: the exact reference, row by row
             y[:, slow.to(x.device)] = torch.from_numpy(reference_linear(

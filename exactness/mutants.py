@@ -206,6 +206,8 @@ VECTORS = "tests/test_vectors.py::test_every_vector"
 AGREEMENT = "tests/test_reference.py::test_reference_matches_oracle"
 CPU = "tests/test_modules.py::test_cpu_path_matches_reference"
 CPU_VECTORS = "tests/test_modules.py::test_vectors_through_the_cpu_path"
+GEMM = "tests/test_modules.py::test_int8_gemm_fallback_matches_reference"
+GEMM_VECTORS = "tests/test_modules.py::test_vectors_through_the_int8_gemm_fallback"
 TRITON = "tests/test_modules.py::test_triton_path_matches_reference"
 TRITON_VECTORS = "tests/test_modules.py::test_vectors_through_the_triton_path"
 KERNEL = "exactness.kernels.triton_exact:exact_group_kernel"
@@ -250,7 +252,15 @@ CATALOGUE = (
     Mutant("tile-of-64-with-one-scale", "exactness.kernels.cpu:FoldedWeights.__init__",
            "scale[:, :, None]", "scale[:, (torch.arange(k // GROUP_SIZE) // 2) * 2, None]",
            "one group's scale applied to a whole tile wider than the group (vLLM triton w4a16)",
+           (GEMM, GEMM_VECTORS)),
+    Mutant("vnni-scale-of-the-neighbour-group", "exactness.kernels.native:NativeWeights.__init__",
+           "scale = mantissa.to(torch.int64) << shift.to(torch.int64)",
+           "scale = mantissa.roll(1, dims=1).to(torch.int64) << shift.to(torch.int64)",
+           "group g's scale applied to group g + 1 in the VNNI kernel's layout",
            (CPU, CPU_VECTORS)),
+    Mutant("vnni-rows-interleaved-wrong", "exactness.kernels.native:NativeWeights.__init__",
+           ".permute(0, 2, 1, 3)", ".permute(0, 2, 1, 3).flip(2)",
+           "weight rows swapped inside a 16-row vector block", (CPU, CPU_VECTORS)),
     Mutant("kernel-tail-group-dropped", KERNEL, "for g in range(0, G):",
            "for g in range(0, G - 1):", "the last group of K never accumulated",
            (TRITON, TRITON_VECTORS)),
@@ -265,10 +275,10 @@ CATALOGUE = (
            (TRITON, "tests/test_modules.py::test_full_kimi_size_triton_act16")),
     Mutant("cpu-limb-shift-dropped", "exactness.kernels.cpu:accumulate",
            "<< (dataflow.LIMB_BITS * (i + j))", "<< (dataflow.LIMB_BITS * i)",
-           "a limb's place value lost when combining int8 GEMMs", (CPU, CPU_VECTORS)),
+           "a limb's place value lost when combining int8 GEMMs", (GEMM, GEMM_VECTORS)),
     Mutant("limb-saturates", "exactness.dataflow:int8_digits",
            "low = ((rest + 128) & 255) - 128", "low = rest.clamp(-128, 127)",
-           "saturating instead of splitting into limbs", (CPU, CPU_VECTORS)),
+           "saturating instead of splitting into limbs", (GEMM, TRITON)),
     Mutant("overflow-wraps-instead-of-inf", "exactness.formats:round_scaled_array",
            "xp.where(field >= fmt.exp_max_field, fmt.inf_bits,\n"
            "                 (field << fmt.mant_bits)",

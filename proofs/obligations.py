@@ -146,6 +146,29 @@ def group_dot(w_bits: int, a_bits: int, dot_bits: int) -> Obligation:
         w_bits=w_bits, a_bits=a_bits)
 
 
+def vnni_dot(w_bits: int, dot_bits: int) -> Obligation:
+    """cpu_vnni.c: vpdpbusd sums (limb + 128) * q, limb + 128 in [0, 255], in int32 lanes."""
+    return accumulate_step(
+        f"vnni-dot-w{w_bits}", f"biased u8 x int{w_bits} dots of 32 (vpdpbusd) in int{dot_bits}",
+        dot_bits, GROUP_SIZE, 255 * 2 ** (w_bits - 1), product_term(0, 255, w_bits),
+        w_bits=w_bits)
+
+
+def vnni_scale_fold(w_bits: int, a_bits: int, k: int, spread: int) -> Obligation:
+    """cpu_vnni.c multiplies P by c = ms << shift with vpmuldq: c must be an int32."""
+
+    def build():
+        ms, ms_ok = signed_var("ms", -(2**dataflow.SCALE_MANT_BITS - 1),
+                               2**dataflow.SCALE_MANT_BITS - 1)
+        sh = z3.BitVec("shift", 8)
+        c = wide(ms) << z3.ZeroExt(WIDE - 8, sh)
+        return z3.And(ms_ok, z3.ULE(sh, spread)), fits(c, 32), {"ms": ms, "shift": sh}
+
+    return Obligation(f"vnni-scale-fold-w{w_bits}-a{a_bits}-k{k}",
+                      f"ms << shift is an int32 for spread <= {spread}", build, w_bits=w_bits,
+                      a_bits=a_bits, k=k, spread=spread, acc_bits=32)
+
+
 def group_recombine(w_bits: int, a_bits: int, dot_bits: int) -> Obligation:
     """P = 256 * D_hi + D_lo + 128 * sum_k q, in the dot width, from the limb dots' bounds."""
 
@@ -283,10 +306,12 @@ def for_config(w_bits: int, a_bits: int, k: int, acc_bits: int | None = None,
         spread = max(0, min(dataflow.max_safe_spread(k, w_bits, a_bits, acc_bits),
                             dataflow.max_folded_spread(w_bits)))
     dot = dataflow.DOT_ACC_BITS
-    obligations = [limb_split(a_bits), group_dot(w_bits, a_bits, dot), group_bound(w_bits, a_bits)]
+    obligations = [limb_split(a_bits), group_dot(w_bits, a_bits, dot), vnni_dot(w_bits, dot),
+                   group_bound(w_bits, a_bits)]
     if dataflow.act_limbs(a_bits) == 2:
         obligations.append(group_recombine(w_bits, a_bits, dot))
     obligations += [combine(w_bits, a_bits, k, acc_bits, spread), cpu_int_mm(k, dot),
+                    vnni_scale_fold(w_bits, a_bits, k, spread),
                     cpu_combine(w_bits, a_bits, k, spread)]
     for o in obligations:
         o.w_bits, o.a_bits, o.k = w_bits, a_bits, k

@@ -1,5 +1,7 @@
 """The production layer against the reference, bit for bit, on every path available here."""
 
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -11,6 +13,7 @@ from exactness.cases import LinearCase, load_vectors
 from exactness.contract import BFLOAT16, FLOAT32, FORMATS
 from exactness.counterexamples import check_bits
 from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits
+from exactness.kernels import native
 from exactness.paths import available_paths, layer_for, run
 from exactness.strategies import (
     KIMI_SHAPES,
@@ -48,6 +51,26 @@ def test_vectors_through_the_triton_path():
 @given(linear_cases(max_k=256, max_n=40, max_rows=20))
 def test_cpu_path_matches_reference(case):
     check_path(case, "cpu")
+
+
+@given(linear_cases(max_k=256, max_n=40, max_rows=20))
+def test_int8_gemm_fallback_matches_reference(case):
+    """The CPU path where the VNNI kernel is missing: int8 GEMMs on folded limbs."""
+    with mock.patch.object(native, "library", lambda: None):
+        check_path(case, "cpu")
+
+
+def test_vectors_through_the_int8_gemm_fallback():
+    with mock.patch.object(native, "library", lambda: None):
+        test_vectors_through_the_layer("cpu")
+
+
+def test_the_vnni_kernel_is_in_use_where_the_cpu_has_it():
+    from pathlib import Path
+
+    flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").exists() else []
+    if all(f in flags for f in native.NEEDS):
+        assert native.library() is not None
 
 
 @needs_triton
