@@ -45,7 +45,8 @@ def pytest_stage(name: str, what: str, *selection: str) -> Stage:
     def run(profile: str) -> StageResult:
         REPORTS.mkdir(exist_ok=True)
         junit = REPORTS / f"junit-{name}.xml"
-        env = dict(os.environ, HYPOTHESIS_PROFILE=profile, TRITON_INTERPRET="1")
+        env = dict(os.environ, HYPOTHESIS_PROFILE=profile, TRITON_INTERPRET="1",
+                   EXACTNESS_FIRST_KILLER="1")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
                f"--junitxml={junit}", *selection]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
