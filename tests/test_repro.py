@@ -16,7 +16,7 @@ def cli(*args, env=None):
 
 
 def test_planted_kernel_bug_is_caught_saved_and_replayed(tmp_path):
-    env = {"EXACTNESS_MUTANT": "cpu-limb-shift-dropped", "EXACTNESS_COUNTEREXAMPLES":
+    env = {"EXACTNESS_MUTANT": "activation-exponent-too-large", "EXACTNESS_COUNTEREXAMPLES":
            str(tmp_path), "TRITON_INTERPRET": "1"}
     verify = cli("verify", "--stage", "vectors", env=env)
     assert verify.returncode == 1, verify.stdout
