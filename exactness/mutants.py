@@ -72,6 +72,9 @@ def applied(mutant: Mutant) -> Iterator[None]:
     Restoring sweeps for the mutant again, so a module first imported inside the block (and so
     bound to the mutant) is put right too.
     """
+    from .kernels import native
+
+    native.library()  # load and self-check the C kernel with the real code, as at start-up
     original, mutated = mutated_function(mutant)
     owner, name, _ = _resolve(mutant.target)
     if isinstance(owner, type):  # a method: it lives in its class

@@ -235,3 +235,16 @@ def test_layer_keeps_no_float_copy_of_the_weight():
     tensors = [*layer.buffers(), *vars(layer).values()]
     floats = [t for t in tensors if isinstance(t, torch.Tensor) and t.is_floating_point()]
     assert all(t is layer.weight_scale for t in floats)
+
+
+def test_the_vnni_self_check_refuses_a_broken_layout():
+    """Had the kernel's layout been wrong at start-up, the layer would not have trusted it."""
+    from exactness.mutants import CATALOGUE, applied
+
+    lib = native.library()
+    if lib is None:
+        pytest.skip("no AVX-512 VNNI here")
+    for name in ("vnni-rows-interleaved-wrong", "vnni-scale-of-the-neighbour-group"):
+        with applied(next(m for m in CATALOGUE if m.name == name)):
+            assert not native._self_check(lib)
+    assert native._self_check(lib)
