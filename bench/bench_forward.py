@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from exactness import PackedInt4Linear
-from exactness.formats import bits_to_tensor, pack_weights, unpack_weights
+from exactness.formats import bits_to_tensor, pack_weights
+from exactness.precision import dequantized
 
 SHAPES = {"gate/up 7168->2048": (7168, 2048), "down 2048->7168": (2048, 7168)}
 
@@ -34,8 +35,7 @@ def kimi_layer(k: int, n: int, act_bits: int, seed: int = 0) -> PackedInt4Linear
 
 
 def dequantized_bf16(layer: PackedInt4Linear) -> torch.Tensor:
-    q = torch.from_numpy(unpack_weights(layer.weight_packed.numpy(), 4)).float()
-    return (q * layer.weight_scale.float().repeat_interleave(32, dim=1)).bfloat16()
+    return dequantized(layer, torch.bfloat16)
 
 
 def timed(fn, repeats: int) -> float:

@@ -30,7 +30,6 @@ from .contract import (
 from .formats import (
     bits_to_tensor,
     check_finite,
-    decode_array,
     float_bits,
     pack_weights,
     round_scaled_array,
@@ -38,7 +37,7 @@ from .formats import (
 )
 from .kernels import cpu, native, triton_exact
 from .kernels.activations import quantize_rows
-from .reference import reference_linear
+from .reference import reference_linear, split_scales
 
 BACKENDS = ("auto", "cpu", "triton")
 
@@ -70,13 +69,7 @@ class Certificate:
 
 
 def certify(weight_scale: torch.Tensor, k: int, w_bits: int, act_bits: int) -> Certificate:
-    ms, es = decode_array(float_bits(weight_scale), BFLOAT16)
-    nonzero = ms != 0
-    big = torch.iinfo(torch.int64).max
-    emin = torch.where(nonzero, es, big).amin(dim=1)
-    emin = torch.where(emin == big, 0, emin)
-    shift = torch.where(nonzero, es - emin[:, None], 0)
-    spread = shift.amax(dim=1)
+    ms, shift, emin, spread = split_scales(float_bits(weight_scale))
     limit = min(dataflow.max_safe_spread(k, w_bits, act_bits), dataflow.max_folded_spread(w_bits))
     fast = spread <= limit
     keep = fast[:, None]
@@ -114,8 +107,7 @@ class _PackedExactLinear(nn.Module):
         self.register_buffer("weight_shape", torch.tensor([n, k], dtype=torch.int64, device=device))
         self._derived_key = None
         self._certificate: Certificate | None = None
-        self._folded: cpu.FoldedWeights | None = None
-        self._native: native.NativeWeights | None = None
+        self._cpu_layouts: dict[type, object] = {}  # FoldedWeights / NativeWeights, built lazily
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -170,34 +162,28 @@ class _PackedExactLinear(nn.Module):
         check_finite(float_bits(self.weight_scale), BFLOAT16, "weight_scale")
         self._certificate = certify(self.weight_scale, self.in_features, self.bits,
                                     self.act_bits)
-        self._folded = self._native = None
+        self._cpu_layouts = {}
         self._derived_key = self._key()
 
     def _unpacked(self) -> torch.Tensor:
         return torch.from_numpy(unpack_weights(self.weight_packed.cpu().numpy(), self.bits,
                                                self.in_features))
 
-    def _native_weights(self) -> native.NativeWeights:
-        if self._native is None:
+    def _cpu_layout(self, layout: type):
+        """The CPU kernel's derived weights (`layout`(q, mantissa, shift)), built on first use."""
+        if layout not in self._cpu_layouts:
             cert = self._certificate
-            self._native = native.NativeWeights(self._unpacked(), cert.mantissa.cpu(),
-                                                cert.shift.cpu())
-        return self._native
-
-    def _folded_weights(self) -> cpu.FoldedWeights:
-        if self._folded is None:
-            cert = self._certificate
-            self._folded = cpu.FoldedWeights(self._unpacked(), cert.mantissa.cpu(),
-                                             cert.shift.cpu())
-        return self._folded
+            self._cpu_layouts[layout] = layout(self._unpacked(), cert.mantissa.cpu(),
+                                               cert.shift.cpu())
+        return self._cpu_layouts[layout]
 
     def derived_nbytes(self) -> int:
-        """Bytes of derived tensors this layer holds now (certificate and folded limbs)."""
+        """Bytes of derived tensors held now: the certificate, the CPU kernels' weights."""
         self._derive()
         cert = self._certificate
         total = sum(t.numel() * t.element_size()
                     for t in (cert.emin, cert.spread, cert.mantissa, cert.shift, cert.fast))
-        return total + sum(d.nbytes for d in (self._folded, self._native) if d is not None)
+        return total + sum(d.nbytes for d in self._cpu_layouts.values())
 
     # ----------------------------------------------------------------- forward
 
@@ -228,7 +214,7 @@ class _PackedExactLinear(nn.Module):
         qa, e_r = quantize_rows(x2, self.act_bits)
         path = self.path_for(x)
         if path == "cpu" and native.library() is not None:  # AVX-512 VNNI, self-checked
-            t = native.accumulate(qa, self.act_bits, self._native_weights())
+            t = native.accumulate(qa, self.act_bits, self._cpu_layout(native.NativeWeights))
             y = native.round_rows(t, n, e_r, cert.emin, out_format)
         else:
             limbs = dataflow.activation_limbs(qa, self.act_bits)
@@ -237,9 +223,9 @@ class _PackedExactLinear(nn.Module):
                                             cert.mantissa.to(x.device), cert.shift.to(x.device),
                                             self.bits)
             elif cpu.int_mm_exact():
-                t = cpu.accumulate(limbs, self._folded_weights())
+                t = cpu.accumulate(limbs, self._cpu_layout(cpu.FoldedWeights))
             else:
-                t = cpu.accumulate_int64(qa, self._folded_weights())
+                t = cpu.accumulate_int64(qa, self._cpu_layout(cpu.FoldedWeights))
             y = round_scaled_array(t, e_r[:, None] + cert.emin.to(x.device)[None, :], out_format)
         slow = cert.slow_rows
         if slow.numel():  # scale spreads no fast path holds: the exact reference, row by row

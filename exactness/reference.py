@@ -164,14 +164,17 @@ def quantize_activations(x_bits, x_format, act_bits: int):
     return xp.where(m < 0, -n, n), e_r
 
 
-def split_scales(scale_bits: np.ndarray):
-    """bf16 scales as (ms, es, emin): s = ms * 2**es, emin[n] the least es among nonzero scales."""
+def split_scales(scale_bits):
+    """bf16 scales [N, G] (numpy or torch) as (ms, shift, emin, spread):
+    s = ms * 2**(emin + shift), emin[n] the least exponent of row n's nonzero scales (0 if none),
+    shift 0 for zero scales, spread[n] the row's largest shift."""
+    xp = array_module(scale_bits)
     ms, es = decode_array(scale_bits, BFLOAT16)
-    big = np.iinfo(np.int64).max
-    emin = np.where(ms != 0, es, big).min(axis=1)
-    emin = np.where(emin == big, 0, emin)
-    spread = np.where(ms != 0, es - emin[:, None], 0).max(axis=1)
-    return ms, es, emin, spread
+    big = 2**62
+    emin = xp.amin(xp.where(ms != 0, es, big), axis=1)
+    emin = xp.where(emin == big, 0, emin)
+    shift = xp.where(ms != 0, es - emin[:, None], 0)
+    return ms, shift, emin, xp.amax(shift, axis=1)
 
 
 def reference_linear(x_bits, x_format, weight_packed, scale_bits, *, act_bits: int = 16,
@@ -184,9 +187,8 @@ def reference_linear(x_bits, x_format, weight_packed, scale_bits, *, act_bits: i
     groups = k // GROUP_SIZE
     qa, e_r = quantize_activations(x_bits, x_format, act_bits)
     qw = unpack_weights(packed, w_bits, k).astype(np.int64).reshape(-1, groups, GROUP_SIZE)
-    ms, es, emin, spread = split_scales(scale_bits)
+    ms, shift, emin, spread = split_scales(scale_bits)
     safe = spread <= dataflow.max_safe_spread(k, w_bits, act_bits)
-    shift = np.where(ms != 0, es - emin[:, None], 0)
     out = np.empty((x_bits.shape[0], qw.shape[0]), dtype=np.int64)
     for r in range(x_bits.shape[0]):
         p = group_dots(qa[r], qw)

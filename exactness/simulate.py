@@ -32,8 +32,7 @@ def simulate(case: LinearCase, dot_bits: int | None = None,
     q = case.q.astype(object)
     m, k = qa.shape
     groups = k // GROUP_SIZE
-    ms, es, emin, _ = split_scales(case.scale_bits)
-    shift = np.where(ms != 0, es - emin[:, None], 0)
+    ms, shift, emin, _ = split_scales(case.scale_bits)
     two = dataflow.act_limbs(case.act_bits) == 2
     v = qa.astype(object) - (dataflow.LIMB_OFFSET if two else 0)
     lo = (v + 128) % 256 - 128

@@ -87,12 +87,12 @@ def test_real_combine_never_exceeds_the_proved_bound(w_bits, a_bits, data):
     q = data.draw(int_weights(3, k, w_bits))
     x = data.draw(activation_bits(1, k, ob.FLOAT32, a_bits, kind="extreme"))
     s = data.draw(scale_bits(3, k // 32, kind="spread"))
-    ms, es, emin, spread = split_scales(s)
+    ms, shift, emin, spread = split_scales(s)
     limit = dataflow.max_safe_spread(k, w_bits, a_bits)
     ok = spread <= limit
     qa, _ = quantize_activations(x, ob.FLOAT32, a_bits)
     t = combine_groups(group_dots(qa[0], q.reshape(3, -1, 32))[ok], ms[ok],
-                       np.where(ms != 0, es - emin[:, None], 0)[ok])
+                       shift[ok])
     ratios = [abs(int(t_n)) / dataflow.combine_bound(k, w_bits, a_bits, int(d))
               for t_n, d in zip(t, spread[ok], strict=True)]
     target(max(ratios, default=0.0), label="max |T| / bound")
