@@ -207,16 +207,16 @@ class _PackedExactLinear(nn.Module):
         x2 = x.reshape(-1, k)
         if x2.shape[0] == 0:
             return torch.empty((*lead, n), dtype=out_dtype, device=x.device)
-        if not bool(torch.isfinite(x2).all()):
-            check_finite(float_bits(x2), x_format, "x")  # raises, with the count and the index
         self._derive()
         cert = self._certificate
-        qa, e_r = quantize_rows(x2, self.act_bits)
         path = self.path_for(x)
         if path == "cpu" and native.library() is not None:  # AVX-512 VNNI, self-checked
-            t = native.accumulate(qa, self.act_bits, self._cpu_layout(native.NativeWeights))
-            y = native.round_rows(t, n, e_r, cert.emin, out_format)
+            y = native.linear(x2, self.act_bits, self._cpu_layout(native.NativeWeights),
+                              cert.emin, out_format)  # checks finiteness on the way
         else:
+            if not bool(torch.isfinite(x2).all()):
+                check_finite(float_bits(x2), x_format, "x")  # raises, with the count and index
+            qa, e_r = quantize_rows(x2, self.act_bits)
             limbs = dataflow.activation_limbs(qa, self.act_bits)
             if path == "triton":
                 t = triton_exact.accumulate(limbs.contiguous(), self.weight_packed,
@@ -226,14 +226,15 @@ class _PackedExactLinear(nn.Module):
                 t = cpu.accumulate(limbs, self._cpu_layout(cpu.FoldedWeights))
             else:
                 t = cpu.accumulate_int64(qa, self._cpu_layout(cpu.FoldedWeights))
-            y = round_scaled_array(t, e_r[:, None] + cert.emin.to(x.device)[None, :], out_format)
+            e = e_r[:, None] + cert.emin.to(x.device)[None, :]
+            y = bits_to_tensor(round_scaled_array(t, e, out_format), out_format)
         slow = cert.slow_rows
         if slow.numel():  # scale spreads no fast path holds: the exact reference, row by row
-            y[:, slow.to(x.device)] = torch.from_numpy(reference_linear(
+            y[:, slow.to(x.device)] = bits_to_tensor(reference_linear(
                 float_bits(x2).cpu().numpy(), x_format, self.weight_packed[slow].cpu().numpy(),
                 float_bits(self.weight_scale[slow]).cpu().numpy(), act_bits=self.act_bits,
-                out_format=out_format, w_bits=self.bits)).to(x.device)
-        return bits_to_tensor(y, out_format).reshape(*lead, n)
+                out_format=out_format, w_bits=self.bits), out_format).to(x.device)
+        return y.reshape(*lead, n)
 
 
 class PackedInt4Linear(_PackedExactLinear):

@@ -21,8 +21,8 @@ from pathlib import Path
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    target: str  # "package.module:function"
-    old: str  # a snippet that occurs exactly once in the function's source ...
+    target: str  # "package.module:function", or C_KERNEL (the C source)
+    old: str  # a snippet that occurs exactly once in the function's (or file's) source ...
     new: str  # ... and what replaces it
     bug: str  # the class of real bug it stands for
     killers: tuple[str, ...]  # "tests/test_x.py::test_y": the first must fail under the mutant
@@ -65,9 +65,32 @@ def _rebind(old, new) -> None:
                 namespace[name] = new
 
 
+def mutated_c_kernel(mutant: Mutant):
+    """The C kernel compiled from the mutated source, its start-up self-check skipped (the
+    self-check would refuse it: tests/test_mutants.py shows it does)."""
+    from .kernels import native
+
+    source = native.SOURCE.read_text()
+    if source.count(mutant.old) != 1:
+        raise ValueError(f"mutant {mutant.name}: {mutant.old!r} occurs "
+                         f"{source.count(mutant.old)} times in {C_KERNEL}, not once")
+    lib = native.load(source.replace(mutant.old, mutant.new), check=False)
+    if lib is None:
+        raise RuntimeError(f"mutant {mutant.name}: the mutated C kernel does not compile")
+    return lib
+
+
+def runs_here(mutant: Mutant) -> bool:
+    """C mutants need the C kernel (AVX-512 VNNI and a compiler)."""
+    from .kernels import native
+
+    return mutant.target != C_KERNEL or native.library() is not None
+
+
 @contextmanager
 def applied(mutant: Mutant) -> Iterator[None]:
-    """The mutated function in place of the original everywhere, until the block ends.
+    """The mutated function (or C kernel) in place of the original everywhere, until the block
+    ends.
 
     Restoring sweeps for the mutant again, so a module first imported inside the block (and so
     bound to the mutant) is put right too.
@@ -75,6 +98,14 @@ def applied(mutant: Mutant) -> Iterator[None]:
     from .kernels import native
 
     native.library()  # load and self-check the C kernel with the real code, as at start-up
+    if mutant.target == C_KERNEL:
+        lib, original_library = mutated_c_kernel(mutant), native.library
+        native.library = lambda: lib
+        try:
+            yield
+        finally:
+            native.library = original_library
+        return
     original, mutated = mutated_function(mutant)
     owner, name, _ = _resolve(mutant.target)
     if isinstance(owner, type):  # a method: it lives in its class
@@ -172,6 +203,9 @@ def main(argv: list[str] | None = None) -> int:
     for mutant in CATALOGUE:
         if args.only and mutant.name not in args.only:
             continue
+        if not runs_here(mutant):
+            print(f"{mutant.name:<42} skipped   (no C kernel here: no AVX-512 VNNI or compiler)")
+            continue
         o = hunt(mutant, out / mutant.name)
         outcomes.append(o)
         verdict = "killed" if o.killed_by else "SURVIVED"
@@ -214,6 +248,8 @@ GEMM_VECTORS = "tests/test_modules.py::test_vectors_through_the_int8_gemm_fallba
 TRITON = "tests/test_modules.py::test_triton_path_matches_reference"
 TRITON_VECTORS = "tests/test_modules.py::test_vectors_through_the_triton_path"
 KERNEL = "exactness.kernels.triton_exact:exact_group_kernel"
+C_KERNEL = "exactness/kernels/cpu_vnni.c"
+BATCH = "tests/test_modules.py::test_batch_and_permutation_invariance"
 
 CATALOGUE = (
     # --- packing and decoding
@@ -309,28 +345,60 @@ CATALOGUE = (
            (AGREEMENT, "tests/test_formats.py::test_round_array_matches_scalar_near_ties",
             VECTORS), every_killer=True),
     Mutant("double-rounding-through-fp32", "exactness.modules:_PackedExactLinear.forward",
-           "y = round_scaled_array(t, e_r[:, None] + cert.emin.to(x.device)[None, :], out_format)",
-           "y = float_bits(torch.ldexp(t.double(), (e_r[:, None] + cert.emin[None, :]).double())"
-           ".float().to(out_dtype))",
+           "y = bits_to_tensor(round_scaled_array(t, e, out_format), out_format)",
+           "y = torch.ldexp(t.double(), e.double()).float().to(out_dtype)",
            "the exact integer rounded to fp32, then to bf16 (Marlin epilogue, OpenVINO)",
-           ("tests/test_modules.py::test_final_rounding_near_ties", CPU)),
+           ("tests/test_modules.py::test_final_rounding_near_ties", TRITON)),
     # --- activation quantization
     Mutant("activation-exponent-too-small-clamped", "exactness.kernels.activations:quantize_rows",
            "return torch.round(scaled).to(torch.int32), e_r",
            "qmax = 2 ** (act_bits - 1) - 1\n"
            "    return torch.round(scaled * 2).clamp(-qmax, qmax).to(torch.int32), e_r - 1",
-           "activation scale exponent one too small, the overflow clamped", (CPU, CPU_VECTORS)),
+           "activation scale exponent one too small, the overflow clamped",
+           (GEMM, GEMM_VECTORS)),
     Mutant("activation-exponent-too-large", "exactness.kernels.activations:quantize_rows",
            "return torch.round(scaled).to(torch.int32), e_r",
            "return torch.round(scaled / 2).to(torch.int32), e_r + 1",
-           "activation scale exponent one too large: a bit of precision lost", (CPU, CPU_VECTORS)),
+           "activation scale exponent one too large: a bit of precision lost",
+           (GEMM, GEMM_VECTORS)),
     Mutant("negative-zero-for-exact-zero", "exactness.modules:_PackedExactLinear.forward",
-           "return bits_to_tensor(y, out_format)", "return bits_to_tensor(torch.where(y == 0, "
-           "out_format.sign_bit, y), out_format)",
-           "-0.0 for an exact zero", (CPU_VECTORS, CPU)),
+           "y = bits_to_tensor(round_scaled_array(t, e, out_format), out_format)",
+           "y = bits_to_tensor(torch.where(t == 0, out_format.sign_bit, "
+           "round_scaled_array(t, e, out_format)), out_format)",
+           "-0.0 for an exact zero", (GEMM_VECTORS, GEMM)),
     Mutant("row-scale-from-the-batch", "exactness.kernels.activations:quantize_rows",
            "amax = x.abs().amax(dim=1, keepdim=True)",
            "amax = x.abs().amax().expand(x.shape[0], 1)",
            "one activation scale for the whole batch: a row's bits depend on the others",
-           (CPU, "tests/test_modules.py::test_batch_and_permutation_invariance")),
+           (GEMM, BATCH)),
+    # --- the C kernel (cpu_vnni.c), the CPU path's production code
+    Mutant("vnni-high-limb-correction-unscaled", C_KERNEL, "two ? 15 : 7", "7",
+           "the bias correction of the high limb not scaled by 256 (per-limb zero points)",
+           (CPU, CPU_VECTORS)),
+    Mutant("vnni-high-nibble-leaks-neighbour", C_KERNEL,
+           "_mm512_and_si512(_mm512_srli_epi16(pair, 4), low4)", "_mm512_srli_epi16(pair, 4)",
+           "a 16-bit shift unpacks the high nibble with the next byte's bits in it",
+           (CPU, CPU_VECTORS)),
+    Mutant("vnni-tail-row-dropped", C_KERNEL, "case 3: TILE(3, TWO, NIB); break;",
+           "case 3: TILE(2, TWO, NIB); break;",
+           "the last row of a batch whose size leaves 3 rows over never computed",
+           (CPU, CPU_VECTORS)),
+    Mutant("vnni-activations-truncated", C_KERNEL, "_MM_FROUND_TO_NEAREST_INT",
+           "_MM_FROUND_TO_ZERO", "activations quantized by truncation instead of RNE",
+           (CPU, CPU_VECTORS)),
+    Mutant("vnni-row-exponent-too-small", C_KERNEL, "ae + t0 + !fits", "ae + t0",
+           "the activation exponent one too small where the row maximum needs the next one",
+           (CPU, CPU_VECTORS)),
+    Mutant("vnni-row-scale-from-the-batch", C_KERNEL,
+           "for (int64_t k = r * K; k < (r + 1) * K; k++) {",
+           "for (int64_t k = 0; k < M * K; k++) {",
+           "one activation scale for the whole batch, in C", (CPU, BATCH)),
+    Mutant("vnni-rounding-ties-up", C_KERNEL, "_mm512_cmpeq_epi64_mask(rem, half) & odd;",
+           "_mm512_cmpeq_epi64_mask(rem, half);",
+           "the final rounding's ties away from zero instead of to even",
+           ("tests/test_modules.py::test_final_rounding_near_ties", CPU)),
+    Mutant("vnni-subnormal-output-flushed", C_KERNEL,
+           "bits = _mm512_mask_mov_epi64(bits, subnormal, n);",
+           "bits = _mm512_maskz_mov_epi64(~subnormal, bits);",
+           "subnormal results flushed to zero (FTZ)", (CPU_VECTORS, CPU)),
 )

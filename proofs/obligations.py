@@ -189,6 +189,37 @@ def group_recombine(w_bits: int, a_bits: int, dot_bits: int) -> Obligation:
                       a_bits=a_bits, acc_bits=dot_bits)
 
 
+def vnni_recombine(w_bits: int, a_bits: int, dot_bits: int) -> Obligation:
+    """cpu_vnni.c's correction of its biased dots D' = D + 128 * sum_k q: the int32 steps
+    (D'_hi << 8) + D'_lo - (sum_k q << 15) (two limbs) or D'_lo - (sum_k q << 7) (one limb)
+    never wrap and give dataflow's P = 256 * D_hi + D_lo + 128 * sum_k q (or P = D_lo)."""
+    two = dataflow.act_limbs(a_bits) == 2
+    limb_max = 128 if two else act_qmax(a_bits)
+
+    def build():
+        bound = GROUP_SIZE * limb_max * 2 ** (w_bits - 1)
+        d_hi, hi_ok = signed_var("D_hi", -bound, bound)
+        d_lo, lo_ok = signed_var("D_lo", -bound, bound)
+        wsum, sum_ok = signed_var("wsum", -GROUP_SIZE * 2 ** (w_bits - 1),
+                                  GROUP_SIZE * (2 ** (w_bits - 1) - 1))
+        offset = dataflow.LIMB_OFFSET * wide(wsum)
+        biased_hi, biased_lo = wide(d_hi) + offset, wide(d_lo) + offset  # vpdpbusd's D'
+        if two:
+            steps = [biased_hi * 256, biased_hi * 256 + biased_lo, wide(wsum) * 2**15]
+            p = steps[1] - steps[2]
+            want = wide(d_hi) * 256 + wide(d_lo) + offset
+        else:
+            steps = [wide(wsum) * 2**7]
+            p = biased_lo - steps[0]
+            want = wide(d_lo)
+        post = z3.And(*[fits(v, dot_bits) for v in (*steps, p)], p == want)
+        return z3.And(hi_ok, lo_ok, sum_ok), post, {"D_hi": d_hi, "D_lo": d_lo, "wsum": wsum}
+
+    return Obligation(f"vnni-recombine-w{w_bits}-a{a_bits}",
+                      f"the VNNI kernel's bias correction gives P in int{dot_bits}", build,
+                      w_bits=w_bits, a_bits=a_bits, acc_bits=dot_bits)
+
+
 def group_bound(w_bits: int, a_bits: int) -> Obligation:
     """The closed form (A2Q-style) |P| <= 32 * 2**(bw-1) * Qa: never exceeded, and attained."""
     qmax, bound = act_qmax(a_bits), 2 ** (w_bits - 1) * act_qmax(a_bits)
@@ -310,6 +341,7 @@ def for_config(w_bits: int, a_bits: int, k: int, acc_bits: int | None = None,
                    group_bound(w_bits, a_bits)]
     if dataflow.act_limbs(a_bits) == 2:
         obligations.append(group_recombine(w_bits, a_bits, dot))
+    obligations.append(vnni_recombine(w_bits, a_bits, dot))
     obligations += [combine(w_bits, a_bits, k, acc_bits, spread), cpu_int_mm(k, dot),
                     vnni_scale_fold(w_bits, a_bits, k, spread),
                     cpu_combine(w_bits, a_bits, k, spread)]

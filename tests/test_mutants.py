@@ -5,7 +5,16 @@ import os
 
 import pytest
 
-from exactness.mutants import CATALOGUE, Mutant, _killer, applied
+from exactness.kernels import native
+from exactness.mutants import (
+    C_KERNEL,
+    CATALOGUE,
+    Mutant,
+    _killer,
+    applied,
+    mutated_c_kernel,
+    runs_here,
+)
 
 
 def survivors(mutant: Mutant, killers) -> list[str]:
@@ -23,11 +32,22 @@ def survivors(mutant: Mutant, killers) -> list[str]:
 
 @pytest.mark.parametrize("mutant", CATALOGUE, ids=lambda m: m.name)
 def test_mutant_is_killed(mutant: Mutant):
+    if not runs_here(mutant):
+        pytest.skip("no C kernel here (AVX-512 VNNI and a C compiler)")
     # make verify asks only for the first killer (EXACTNESS_FIRST_KILLER=1); make test for all
     every = mutant.every_killer and os.environ.get("EXACTNESS_FIRST_KILLER") != "1"
     killers = mutant.killers if every else mutant.killers[:1]
     alive = survivors(mutant, killers)
     assert not alive, f"{mutant.name} ({mutant.bug}) survived {alive}"
+
+
+@pytest.mark.parametrize("mutant", [m for m in CATALOGUE if m.target == C_KERNEL],
+                         ids=lambda m: m.name)
+def test_the_start_up_self_check_refuses_the_c_mutant(mutant: Mutant):
+    """Had the C kernel carried the bug, the layer would not have used it."""
+    if not runs_here(mutant):
+        pytest.skip("no C kernel here (AVX-512 VNNI and a C compiler)")
+    assert not native._self_check(mutated_c_kernel(mutant))
 
 
 def test_catalogue_covers_the_bug_classes():

@@ -16,8 +16,13 @@ def cli(*args, env=None):
 
 
 def test_planted_kernel_bug_is_caught_saved_and_replayed(tmp_path):
-    env = {"EXACTNESS_MUTANT": "activation-exponent-too-large", "EXACTNESS_COUNTEREXAMPLES":
-           str(tmp_path), "TRITON_INTERPRET": "1"}
+    from exactness.kernels import native
+
+    # the CPU path's activation exponent one too small: in the C kernel, or where that does not
+    # run here, in the int8-GEMM fallback's Python
+    bug = "vnni-row-exponent-too-small" if native.library() else "activation-exponent-too-large"
+    env = {"EXACTNESS_MUTANT": bug, "EXACTNESS_COUNTEREXAMPLES": str(tmp_path),
+           "TRITON_INTERPRET": "1"}
     verify = cli("verify", "--stage", "vectors", env=env)
     assert verify.returncode == 1, verify.stdout
     assert "NOT exact" in verify.stdout

@@ -1,134 +1,233 @@
-// The CPU twin of the Triton kernel: per group of 32, int8 dots with AVX-512 VNNI (vpdpbusd,
-// u8 x s8 -> s32, 64 products per instruction, never saturating), then P * ms << shift into
-// int64 accumulators. 16 output rows (weight rows n) per vector, 4 activation rows per weight
-// load. The integers are dataflow.py's: signed int8 limbs (qa - 128 = hi * 256 + lo for 16-bit
-// activations), fed to vpdpbusd biased by +128 to make them unsigned and corrected exactly:
-//     D = D' - 128 * sum_k q   (D' = sum (limb + 128) * q, |D'| <= 32 * 255 * 128 < 2**31)
-//     P = 256 * D_hi + D_lo + 128 * sum_k q        (two limbs)   or   P = D_lo   (one limb)
-// Layouts: w [Np/16][K/4][16][4] int8 (lane l of block b is weight row 16 b + l);
-// wsum [G][Np] int32; c [G][Np] int64 (ms << shift); a_lo, a_hi [M][K] uint8 (limb + 128);
-// t [M][Np] int64.
+// The CPU twin of the Triton kernel, in three passes: activation quantization into int8 limbs,
+// the exact accumulation T, and the one final rounding. The integers are dataflow.py's.
+//
+// Accumulation, per group of 32: int8 dots with AVX-512 VNNI (vpdpbusd, u8 x s8 -> s32, 64
+// products per instruction, never saturating) on the activation limbs biased by +128 to make them
+// unsigned, corrected exactly once per group:
+//     D' = sum (limb + 128) * q, |D'| <= 32 * 255 * 128 < 2**31 (proofs: vnni-dot)
+//     P = 256 * D'_hi + D'_lo - 32768 * sum_k q    (two limbs: 16-bit activations)
+//     P = D'_lo - 128 * sum_k q                    (one limb)    (proofs: vnni-recombine)
+// then T += P * c in int64 (c = ms << shift, an int32: vpmuldq's signed 32 x 32 -> 64 is exact).
+// Layouts: weights in blocks of 16 rows, [Np/16][K/4][16][4] int8, or, when every weight fits 4
+// bits, [Np/16][K/8][16][4] bytes holding the 4-bit pairs (q_j + 8) | (q_{j+1} + 8) << 4 of
+// consecutive 4-k steps j, j + 1 (half the bytes to stream). Lane 2i of block b is weight row
+// 16 b + i and lane 2i + 1 is row 16 b + 8 + i, so vpmuldq's even lanes (and the odd ones,
+// shifted down) are 8 rows each in natural order. wsum [G][Np] int32 in that lane order;
+// c [G][Np] int32 in row order; lo, hi [M][K] uint8 (limb + 128); t [M][Np] int64.
 #include <immintrin.h>
 #include <stdint.h>
+#include <string.h>
 
-// acc += P * c, c = ms << shift (|c| < 2**31, so vpmuldq's signed 32 x 32 -> 64 is exact)
-static inline void combine(__m512i p, const int64_t *c, __m512i *acc) {
-    __m512i p0 = _mm512_cvtepi32_epi64(_mm512_castsi512_si256(p));
-    __m512i p1 = _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(p, 1));
-    acc[0] = _mm512_add_epi64(acc[0], _mm512_mul_epi32(p0, _mm512_loadu_si512(c)));
-    acc[1] = _mm512_add_epi64(acc[1], _mm512_mul_epi32(p1, _mm512_loadu_si512(c + 8)));
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+#ifndef TILE_ROWS
+#define TILE_ROWS 4  // activation rows per weight load: 2 x 4 dot and 2 x 4 int64 registers
+#endif
+
+static inline __m512i broadcast4(const uint8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
 }
 
-#define ROWS 4
-
-void exact_linear_vnni(const uint8_t *a_lo, const uint8_t *a_hi, const int8_t *w,
-                       const int32_t *wsum, const int64_t *c, int64_t *t,
-                       int64_t M, int64_t K, int64_t Np, int two_limbs) {
-    const int64_t G = K / 32, blocks = Np / 16;
-    const __m512i bias = _mm512_set1_epi32(128);
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const int8_t *wb = w + b * (K / 4) * 64;
-        for (int64_t r0 = 0; r0 < M; r0 += ROWS) {
-            const int64_t rows = M - r0 < ROWS ? M - r0 : ROWS;
-            __m512i acc[ROWS][2];
-            for (int i = 0; i < ROWS; i++) acc[i][0] = acc[i][1] = _mm512_setzero_si512();
-            for (int64_t g = 0; g < G; g++) {
-                __m512i dlo[ROWS], dhi[ROWS];
-                for (int i = 0; i < ROWS; i++) dlo[i] = dhi[i] = _mm512_setzero_si512();
-                for (int64_t j = 0; j < 8; j++) {
-                    const __m512i wv = _mm512_loadu_si512(wb + (g * 8 + j) * 64);
-                    const int64_t k = g * 32 + j * 4;
-                    for (int i = 0; i < rows; i++) {
-                        const int32_t lo = *(const int32_t *)(a_lo + (r0 + i) * K + k);
-                        dlo[i] = _mm512_dpbusd_epi32(dlo[i], _mm512_set1_epi32(lo), wv);
-                        if (two_limbs) {
-                            const int32_t hi = *(const int32_t *)(a_hi + (r0 + i) * K + k);
-                            dhi[i] = _mm512_dpbusd_epi32(dhi[i], _mm512_set1_epi32(hi), wv);
-                        }
-                    }
-                }
-                const __m512i ws = _mm512_loadu_si512(wsum + g * Np + b * 16);
-                const __m512i corr = _mm512_mullo_epi32(bias, ws);
+// T for `rows` activation rows (a compile-time constant at every call) against weight block wb.
+ALWAYS_INLINE void tile(const uint8_t *lo, const uint8_t *hi, const uint8_t *wb,
+                        const int32_t *wsum, const int32_t *c, int64_t *t, int64_t K, int64_t Np,
+                        const int rows, const int two, const int nibbles) {
+    const __m512i low4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
+    __m512i acc_even[TILE_ROWS], acc_odd[TILE_ROWS];
+    for (int i = 0; i < rows; i++) acc_even[i] = acc_odd[i] = _mm512_setzero_si512();
+    for (int64_t g = 0; g < K / 32; g++) {
+        __m512i d_lo[TILE_ROWS], d_hi[TILE_ROWS];
+        for (int i = 0; i < rows; i++) d_lo[i] = d_hi[i] = _mm512_setzero_si512();
+        for (int j = 0; j < 8; j += 2) {
+            __m512i wv[2];
+            if (nibbles) {
+                const __m512i pair = _mm512_loadu_si512(wb + (g * 4 + j / 2) * 64);
+                wv[0] = _mm512_sub_epi8(_mm512_and_si512(pair, low4), eight);
+                wv[1] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(pair, 4), low4), eight);
+            } else {
+                wv[0] = _mm512_loadu_si512(wb + (g * 8 + j) * 64);
+                wv[1] = _mm512_loadu_si512(wb + (g * 8 + j + 1) * 64);
+            }
+            for (int h = 0; h < 2; h++) {
+                const int64_t k = g * 32 + (j + h) * 4;
                 for (int i = 0; i < rows; i++) {
-                    __m512i p = _mm512_sub_epi32(dlo[i], corr);  // D_lo
-                    if (two_limbs) {
-                        const __m512i d_hi = _mm512_sub_epi32(dhi[i], corr);
-                        p = _mm512_add_epi32(_mm512_add_epi32(_mm512_slli_epi32(d_hi, 8), p), corr);
+                    d_lo[i] = _mm512_dpbusd_epi32(d_lo[i], broadcast4(lo + i * K + k), wv[h]);
+                    if (two) {
+                        d_hi[i] = _mm512_dpbusd_epi32(d_hi[i], broadcast4(hi + i * K + k), wv[h]);
                     }
-                    combine(p, c + g * Np + b * 16, acc[i]);
                 }
             }
-            for (int i = 0; i < rows; i++) {
-                _mm512_storeu_si512(t + (r0 + i) * Np + b * 16, acc[i][0]);
-                _mm512_storeu_si512(t + (r0 + i) * Np + b * 16 + 8, acc[i][1]);
-            }
         }
+        const __m512i corr = _mm512_slli_epi32(_mm512_loadu_si512(wsum + g * Np), two ? 15 : 7);
+        const __m256i *cg = (const __m256i *)(c + g * Np);
+        const __m512i c_even = _mm512_cvtepi32_epi64(_mm256_loadu_si256(cg));
+        const __m512i c_odd = _mm512_cvtepi32_epi64(_mm256_loadu_si256(cg + 1));
+        for (int i = 0; i < rows; i++) {
+            __m512i p = two ? _mm512_add_epi32(_mm512_slli_epi32(d_hi[i], 8), d_lo[i]) : d_lo[i];
+            p = _mm512_sub_epi32(p, corr);
+            acc_even[i] = _mm512_add_epi64(acc_even[i], _mm512_mul_epi32(p, c_even));
+            acc_odd[i] = _mm512_add_epi64(acc_odd[i],
+                                          _mm512_mul_epi32(_mm512_srli_epi64(p, 32), c_odd));
+        }
+    }
+    for (int i = 0; i < rows; i++) {
+        _mm512_storeu_si512(t + i * Np, acc_even[i]);
+        _mm512_storeu_si512(t + i * Np + 8, acc_odd[i]);
     }
 }
 
-// dataflow.activation_limbs, biased for vpdpbusd: one limb (|qa| <= 127) as qa + 128, or two as
-// lo + 128, hi + 128 with qa - 128 = hi * 256 + lo, lo and hi in [-128, 127].
-void split_limbs(const int32_t *qa, uint8_t *lo, uint8_t *hi, int64_t count, int two_limbs) {
+#define TILE(R, TWO, NIB) \
+    tile(a_lo, a_hi, wb, wsum + b * 16, c + b * 16, tb, K, Np, R, TWO, NIB)
+#define TILES(TWO, NIB)                              \
+    switch (rows) {                                  \
+        case 1: TILE(1, TWO, NIB); break;            \
+        case 2: TILE(2, TWO, NIB); break;            \
+        case 3: TILE(3, TWO, NIB); break;            \
+        default: TILE(TILE_ROWS, TWO, NIB); break;   \
+    }
+
+void exact_linear_vnni(const uint8_t *lo, const uint8_t *hi, const uint8_t *w,
+                       const int32_t *wsum, const int32_t *c, int64_t *t,
+                       int64_t M, int64_t K, int64_t Np, int two, int nibbles) {
 #pragma omp parallel for schedule(static)
-    for (int64_t i = 0; i < count; i++) {
-        if (!two_limbs) {
-            lo[i] = (uint8_t)(qa[i] + 128);
-            continue;
+    for (int64_t b = 0; b < Np / 16; b++) {
+        const uint8_t *wb = w + b * K * (nibbles ? 8 : 16);
+        for (int64_t r = 0; r < M; r += TILE_ROWS) {
+            const uint8_t *a_lo = lo + r * K, *a_hi = hi + r * K;
+            int64_t *tb = t + r * Np + b * 16;
+            const int64_t rows = M - r < TILE_ROWS ? M - r : TILE_ROWS;
+            if (two && nibbles) TILES(1, 1) else if (two) TILES(1, 0)
+            else if (nibbles) TILES(0, 1) else TILES(0, 0)
         }
-        const int32_t v = qa[i] - 128;
-        const int32_t l = ((v + 128) & 255) - 128;
-        lo[i] = (uint8_t)(l + 128);
-        hi[i] = (uint8_t)(((v - l) >> 8) + 128);
     }
 }
 
-// formats.round_scaled, per element: the bit pattern of RNE(t * 2**(e_r[r] + emin[n])) in a
-// format of `mant` stored bits and `expo` exponent bits (bf16 7/8, fp16 10/5, fp32 23/8).
-// |t| < 2**63. An exact zero is +0.0; a nonzero value that underflows keeps its sign.
-void round_rows(const int64_t *t, int64_t ld, const int64_t *e_r, const int64_t *emin,
-                int64_t M, int64_t N, int mant, int expo, uint32_t *out) {
-    const int64_t p = mant + 1, bias = (1 << (expo - 1)) - 1, emax = (1 << expo) - 1;
-    const int64_t qmin = 1 - bias - mant;
-    const uint32_t sign_bit = 1u << (mant + expo);
+// reference.quantize_activations' row exponents: e_r = the exponent of amax_r (the largest |x|
+// of the row, found as the largest magnitude bit pattern, which orders like |x|) plus the least t
+// with amax <= Qa * 2**t; 0 for a zero row. x: a format of `mant` stored and `expo` exponent
+// bits, 16 or 32 bits wide. Returns how many rows hold a non-finite value (their e_r is junk).
+int64_t row_exponents(const void *x, int mant, int expo, int64_t qmax, int64_t M, int64_t K,
+                   int64_t *e_r) {
+    const int wide = mant + expo + 1 == 32;
+    int64_t non_finite = 0;
+#pragma omp parallel for schedule(static) reduction(+ : non_finite)
+    for (int64_t r = 0; r < M; r++) {
+        uint32_t amax = 0;
+        for (int64_t k = r * K; k < (r + 1) * K; k++) {
+            const uint32_t a = wide ? ((const uint32_t *)x)[k] & 0x7FFFFFFFu
+                                    : ((const uint16_t *)x)[k] & 0x7FFFu;
+            amax = a > amax ? a : amax;
+        }
+        const int64_t field = amax >> mant, frac = amax & ((1u << mant) - 1);
+        non_finite += field == (1 << expo) - 1;
+        const int64_t am = field ? frac | (1ll << mant) : frac;
+        const int64_t ae = (2 - (1 << (expo - 1)) - mant) + (field ? field - 1 : 0);
+        const int64_t t0 = (64 - __builtin_clzll(am | 1)) - (64 - __builtin_clzll(qmax));
+        const int fits = t0 >= 0 ? am <= qmax << t0 : am << -t0 <= qmax;
+        e_r[r] = am == 0 ? 0 : ae + t0 + !fits;
+    }
+    return non_finite;
+}
+
+// 16 values of x (format 0 bf16, 1 fp16, 2 fp32) as floats: every one exactly.
+ALWAYS_INLINE __m512 load16(const void *x, int64_t i, int format) {
+    if (format == 2) return _mm512_loadu_ps((const float *)x + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+    if (format == 1) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+// RNE(v * scale) for 8 floats, as int32: the product is exact in float64 (a power-of-two scaling
+// of a <= 24-bit value, far from float64's limits), so this is the one rounding.
+ALWAYS_INLINE __m256i scaled_integers(__m256 v, __m512d scale) {
+    const __m512d exact = _mm512_mul_pd(_mm512_cvtps_pd(v), scale);
+    return _mm512_cvt_roundpd_epi32(exact, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+// qa = RNE(x * 2**-e_r[r]), then dataflow.activation_limbs biased by +128: one limb qa + 128, or
+// lo + 128 = qa & 255 and hi + 128 = (qa >> 8) + 128, from qa - 128 = hi * 256 + lo.
+// K is a multiple of 32.
+void quantize_limbs(const void *x, int format, int64_t M, int64_t K, const int64_t *e_r,
+                    uint8_t *lo, uint8_t *hi, int two) {
+    const __m512i bias = _mm512_set1_epi32(128), byte = _mm512_set1_epi32(255);
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < M; r++) {
-        for (int64_t c = 0; c < N; c++) {
-            const int64_t m = t[r * ld + c];
-            if (m == 0) {
-                out[r * N + c] = 0;
-                continue;
+        const union { uint64_t u; double d; } power = {(uint64_t)(1023 - e_r[r]) << 52};
+        const __m512d scale = _mm512_set1_pd(power.d);  // 2**-e_r, from its bit pattern
+        for (int64_t k = r * K; k < (r + 1) * K; k += 16) {
+            const __m512 v = load16(x, k, format);
+            const __m512i qa = _mm512_inserti64x4(
+                _mm512_castsi256_si512(scaled_integers(_mm512_castps512_ps256(v), scale)),
+                scaled_integers(_mm512_extractf32x8_ps(v, 1), scale), 1);
+            const __m512i low = two ? _mm512_and_si512(qa, byte) : _mm512_add_epi32(qa, bias);
+            _mm_storeu_si128((__m128i *)(lo + k), _mm512_cvtepi32_epi8(low));
+            if (two) {
+                const __m512i high = _mm512_add_epi32(_mm512_srai_epi32(qa, 8), bias);
+                _mm_storeu_si128((__m128i *)(hi + k), _mm512_cvtepi32_epi8(high));
             }
-            const uint32_t sign = m < 0 ? sign_bit : 0;
-            const uint64_t a = m < 0 ? (uint64_t)(-m) : (uint64_t)m;
-            const int64_t e = e_r[r] + emin[c];
-            const int64_t length = 64 - __builtin_clzll(a);
-            int64_t q = e + length - p;
-            if (q < qmin) q = qmin;
-            uint64_t n;
-            if (q <= e) {
-                n = a << (e - q);
-            } else if (q - e > length) {
-                n = 0;  // under half the smallest step
+        }
+    }
+}
+
+// formats.round_scaled, 8 lanes at a time: the bit pattern of RNE(m * 2**e) in a format of
+// `mant` stored bits and `expo` exponent bits (bf16 7/8, fp16 10/5, fp32 23/8), |m| < 2**63.
+// An exact zero is +0.0; a nonzero value that underflows keeps its sign.
+ALWAYS_INLINE __m512i round8(__m512i m, __m512i e, int mant, int expo) {
+    const __m512i one = _mm512_set1_epi64(1), zero = _mm512_setzero_si512();
+    const int64_t p = mant + 1, bias = (1 << (expo - 1)) - 1, emax = (1 << expo) - 1;
+    const __m512i a = _mm512_abs_epi64(m);
+    const __m512i length = _mm512_sub_epi64(_mm512_set1_epi64(64), _mm512_lzcnt_epi64(a));
+    // q: the exponent of the result's last place (at least the subnormals' one); s = q - e, the
+    // right shift of a (s <= 0: an exact left shift)
+    __m512i q = _mm512_add_epi64(e, _mm512_sub_epi64(length, _mm512_set1_epi64(p)));
+    q = _mm512_max_epi64(q, _mm512_set1_epi64(1 - bias - mant));
+    const __m512i s = _mm512_sub_epi64(q, e);
+    const __mmask8 right = _mm512_cmpgt_epi64_mask(s, zero);
+    const __m512i kept = _mm512_srlv_epi64(a, s);  // 0 for s >= 64
+    const __m512i rem = _mm512_and_si512(a, _mm512_sub_epi64(_mm512_sllv_epi64(one, s), one));
+    const __m512i half = _mm512_sllv_epi64(one, _mm512_sub_epi64(s, one));
+    const __mmask8 above = _mm512_cmpgt_epu64_mask(rem, half);
+    const __mmask8 odd = _mm512_test_epi64_mask(kept, one);
+    const __mmask8 tie_to_even = _mm512_cmpeq_epi64_mask(rem, half) & odd;
+    __m512i n = _mm512_mask_add_epi64(kept, (above | tie_to_even) & right, kept, one);
+    n = _mm512_mask_mov_epi64(_mm512_sllv_epi64(a, _mm512_sub_epi64(zero, s)), right, n);
+    // s >= 64: under half the smallest step (length <= 63 < s), so 0
+    n = _mm512_maskz_mov_epi64(_mm512_cmplt_epi64_mask(s, _mm512_set1_epi64(64)), n);
+    const __mmask8 carry = _mm512_cmpeq_epi64_mask(n, _mm512_set1_epi64(1ll << p));
+    n = _mm512_mask_srli_epi64(n, carry, n, 1);
+    q = _mm512_mask_add_epi64(q, carry, q, one);
+    const __m512i field = _mm512_add_epi64(q, _mm512_set1_epi64(mant + bias));
+    const __m512i fraction = _mm512_and_si512(n, _mm512_set1_epi64((1ll << mant) - 1));
+    __m512i bits = _mm512_or_si512(_mm512_slli_epi64(field, mant), fraction);
+    const __mmask8 overflow = _mm512_cmpge_epi64_mask(field, _mm512_set1_epi64(emax));
+    bits = _mm512_mask_mov_epi64(bits, overflow, _mm512_set1_epi64(emax << mant));  // inf
+    const __mmask8 subnormal = _mm512_cmplt_epi64_mask(n, _mm512_set1_epi64(1ll << mant));
+    bits = _mm512_mask_mov_epi64(bits, subnormal, n);  // exponent field 0 (and 0 for m = 0)
+    const __mmask8 negative = _mm512_cmplt_epi64_mask(m, zero);
+    return _mm512_mask_or_epi64(bits, negative, bits, _mm512_set1_epi64(1ll << (mant + expo)));
+}
+
+// y[r, n] = round8(t[r, n], e_r[r] + emin[n]) for n < N, written as 16- or 32-bit patterns
+// (the output tensor itself).
+void round_rows(const int64_t *t, int64_t ld, const int64_t *e_r, const int64_t *emin,
+                int64_t M, int64_t N, int mant, int expo, void *out) {
+    const int wide = mant + expo + 1 == 32;
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < M; r++) {
+        const __m512i er = _mm512_set1_epi64(e_r[r]);
+        for (int64_t n = 0; n < N; n += 8) {
+            const __mmask8 live = N - n >= 8 ? 0xFF : (__mmask8)((1u << (N - n)) - 1);
+            const __m512i e = _mm512_add_epi64(er, _mm512_maskz_loadu_epi64(live, emin + n));
+            const __m512i bits = round8(_mm512_maskz_loadu_epi64(live, t + r * ld + n), e,
+                                        mant, expo);
+            if (wide) {
+                _mm256_mask_storeu_epi32((uint32_t *)out + r * N + n, live,
+                                         _mm512_cvtepi64_epi32(bits));
             } else {
-                const int64_t s = q - e;
-                const uint64_t rem = s == 64 ? a : a & ((1ull << s) - 1), half = 1ull << (s - 1);
-                n = s == 64 ? 0 : a >> s;
-                if (rem > half || (rem == half && (n & 1))) n++;
+                _mm_mask_storeu_epi16((uint16_t *)out + r * N + n, live,
+                                      _mm512_cvtepi64_epi16(bits));
             }
-            if (n == (1ull << p)) {
-                n >>= 1;
-                q++;
-            }
-            uint32_t bits;
-            if (n < (1ull << (p - 1))) {
-                bits = (uint32_t)n;
-            } else {
-                const int64_t field = q + mant + bias;
-                bits = field >= emax ? (uint32_t)emax << mant
-                                     : ((uint32_t)field << mant) | ((uint32_t)n & ((1u << mant) - 1));
-            }
-            out[r * N + c] = sign | bits;
         }
     }
 }

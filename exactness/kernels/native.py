@@ -1,6 +1,10 @@
 """The CPU path's fast kernel (cpu_vnni.c): compiled on first use with the system C compiler,
 cached by source hash, loaded with ctypes, and used only where the CPU has AVX-512 VNNI and the
 compiled kernel passes its exactness self-check; otherwise the int8-GEMM path runs instead.
+
+One forward is three C passes: activations to biased int8 limbs (the row exponents e_r come from
+reference.quantize_activations on the row maxima), the exact accumulation T, and the final
+rounding written straight into the output tensor.
 """
 
 from __future__ import annotations
@@ -15,12 +19,17 @@ from pathlib import Path
 import torch
 
 from .. import dataflow
-from ..contract import GROUP_SIZE
+from ..contract import GROUP_SIZE, FloatFormat, act_qmax, float_format
+from ..formats import check_finite, float_bits, torch_dtype
+from ..reference import quantize_activations
 
 SOURCE = Path(__file__).with_name("cpu_vnni.c")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512dq",
-         "-mavx512vl", "-mavx512vnni"]
-NEEDS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")
+         "-mavx512vl", "-mavx512cd", "-mavx512vnni"]
+NEEDS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx512_vnni")
+FORMAT_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}  # cpu_vnni.c's load16
+# lane 2i of a 16-lane block holds weight row i, lane 2i + 1 row 8 + i (cpu_vnni.c's layout)
+LANE_ROWS = [row for i in range(8) for row in (i, 8 + i)]
 
 
 def _cpu_has_vnni() -> bool:
@@ -36,34 +45,46 @@ def library():
     """The loaded kernel, or None (no VNNI, no compiler, or a failed self-check)."""
     if os.environ.get("EXACTNESS_NATIVE", "1") == "0" or not _cpu_has_vnni():
         return None
-    source = SOURCE.read_bytes()
-    key = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return load(SOURCE.read_text())
+
+
+def load(source: str, check: bool = True):
+    """`source` compiled (cached by its hash) and loaded; None if it does not compile or, with
+    `check`, fails the self-check. (check=False is for planted bugs: exactness.mutants.)"""
+    key = hashlib.sha256((source + " ".join(FLAGS)).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "exactness"
     so = cache / f"cpu_vnni-{key}.so"
     if not so.exists():
         cache.mkdir(parents=True, exist_ok=True)
-        tmp = so.with_suffix(f".{os.getpid()}.tmp")
+        src, tmp = so.with_suffix(f".{os.getpid()}.c"), so.with_suffix(f".{os.getpid()}.tmp")
+        src.write_text(source)
         cc = os.environ.get("CC", "cc")
         try:
-            subprocess.run([cc, *FLAGS, str(SOURCE), "-o", str(tmp)], check=True,
+            subprocess.run([cc, *FLAGS, str(src), "-o", str(tmp)], check=True,
                            capture_output=True, timeout=120)
         except (OSError, subprocess.SubprocessError):
             return None
+        finally:
+            src.unlink()
         os.replace(tmp, so)
     lib = ctypes.CDLL(str(so))
-    lib.exact_linear_vnni.restype = None
-    lib.exact_linear_vnni.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.split_limbs.restype = lib.round_rows.restype = None
-    lib.split_limbs.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int]
-    lib.round_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                               ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int,
-                               ctypes.c_void_p]
-    return lib if _self_check(lib) else None
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    signatures = {
+        "exact_linear_vnni": [ptr] * 6 + [i64] * 3 + [i32] * 2,
+        "row_exponents": [ptr, i32, i32, i64, i64, i64, ptr],
+        "quantize_limbs": [ptr, i32, i64, i64, ptr, ptr, ptr, i32],
+        "round_rows": [ptr, i64, ptr, ptr, i64, i64, i32, i32, ptr],
+    }
+    for name, argtypes in signatures.items():
+        getattr(lib, name).restype = ctypes.c_int64 if name == "row_exponents" else None
+        getattr(lib, name).argtypes = argtypes
+    return lib if not check or _self_check(lib) else None
 
 
 class NativeWeights:
-    """Derived at load for cpu_vnni.c: int8 weights interleaved for 16 rows per vector (one byte
-    per weight), and per group: the weight sums, scale mantissas and shifts (0 on slow rows)."""
+    """Derived at load for cpu_vnni.c: the weights in blocks of 16 rows per vector, as 4-bit pairs
+    when every weight fits 4 bits (else a byte each), and per group: the weight sums and the scale
+    factors ms << shift (0 on slow rows), int32 each."""
 
     def __init__(self, q: torch.Tensor, mantissa: torch.Tensor, shift: torch.Tensor):
         n, k = q.shape
@@ -71,69 +92,119 @@ class NativeWeights:
         self.np = -(-n // 16) * 16
         pad = self.np - n
         q8 = torch.nn.functional.pad(q.to(torch.int8), (0, 0, 0, pad))
-        self.w = q8.view(self.np // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
-        groups = q8.view(self.np, k // GROUP_SIZE, GROUP_SIZE).sum(-1, dtype=torch.int32)
+        lanes = q8.view(self.np // 16, 16, k)[:, LANE_ROWS]
+        w = lanes.view(self.np // 16, 16, k // 4, 4).permute(0, 2, 1, 3).contiguous()
+        self.nibbles = bool(q8.numel() == 0 or (q8.min() >= -8 and q8.max() <= 7))
+        if self.nibbles:  # 4-k steps j, j + 1 share a byte: j low, j + 1 high, offset by 8
+            pairs = (w.to(torch.int16) + 8).view(self.np // 16, k // 8, 2, 64)
+            w = (pairs[:, :, 0] | pairs[:, :, 1] << 4).to(torch.uint8)
+        self.w = w.contiguous()
+        groups = lanes.reshape(self.np, k // GROUP_SIZE, GROUP_SIZE).sum(-1, dtype=torch.int32)
         self.wsum = groups.t().contiguous()
         scale = mantissa.to(torch.int64) << shift.to(torch.int64)  # |.| < 2**31: proofs/
-        self.c = torch.nn.functional.pad(scale, (0, 0, 0, pad)).t().contiguous()
+        self.c = torch.nn.functional.pad(scale, (0, 0, 0, pad)).t().to(torch.int32).contiguous()
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.w, self.wsum, self.c))
 
 
-def accumulate(qa: torch.Tensor, act_bits: int, weights: NativeWeights, lib=None) -> torch.Tensor:
-    """T [M, Np] int64 (padded columns are 0) from activations qa [M, K] int32."""
+def quantize(x: torch.Tensor, act_bits: int, lib=None):
+    """(lo, hi, e_r): x [M, K] as cpu_vnni.c's biased limbs [M, K] uint8 (hi is lo for one-limb
+    activations) and the row exponents e_r [M] int64 (contract section 3). Raises
+    NonFiniteError (formats.check_finite) if x holds a non-finite value."""
     lib = lib or library()
-    qa = qa.to(torch.int32).contiguous()
-    m = qa.shape[0]
+    fmt = float_format(x.dtype)
+    x = x.contiguous()
+    m, k = x.shape
+    e_r = torch.empty(m, dtype=torch.int64)
+    if lib.row_exponents(x.data_ptr(), fmt.mant_bits, fmt.exp_bits, act_qmax(act_bits), m, k,
+                         e_r.data_ptr()):
+        check_finite(float_bits(x), fmt, "x")
     two = dataflow.act_limbs(act_bits) == 2
-    lo = torch.empty(qa.shape, dtype=torch.uint8)
-    hi = torch.empty(qa.shape, dtype=torch.uint8) if two else lo
-    lib.split_limbs(qa.data_ptr(), lo.data_ptr(), hi.data_ptr(), qa.numel(), int(two))
-    t = torch.empty((m, weights.np), dtype=torch.int64)
+    lo = torch.empty((m, k), dtype=torch.uint8)
+    hi = torch.empty((m, k), dtype=torch.uint8) if two else lo
+    lib.quantize_limbs(x.data_ptr(), FORMAT_CODES[fmt.name], m, k, e_r.data_ptr(), lo.data_ptr(),
+                       hi.data_ptr(), int(two))
+    return lo, hi, e_r
+
+
+def accumulate(lo: torch.Tensor, hi: torch.Tensor, act_bits: int, weights: NativeWeights,
+               lib=None) -> torch.Tensor:
+    """T [M, Np] int64 (padded columns are 0) from the biased limbs."""
+    lib = lib or library()
+    t = torch.empty((lo.shape[0], weights.np), dtype=torch.int64)
     lib.exact_linear_vnni(lo.data_ptr(), hi.data_ptr(), weights.w.data_ptr(),
-                          weights.wsum.data_ptr(), weights.c.data_ptr(), t.data_ptr(), m,
-                          weights.k, weights.np, int(two))
+                          weights.wsum.data_ptr(), weights.c.data_ptr(), t.data_ptr(),
+                          lo.shape[0], weights.k, weights.np,
+                          int(dataflow.act_limbs(act_bits) == 2), int(weights.nibbles))
     return t
 
 
-def round_rows(t: torch.Tensor, n: int, e_r: torch.Tensor, emin: torch.Tensor, fmt,
-               lib=None) -> torch.Tensor:
-    """formats.round_scaled of t[:, :n] * 2**(e_r[r] + emin[n]), in C: bit patterns int64."""
+def round_rows(t: torch.Tensor, n: int, e_r: torch.Tensor, emin: torch.Tensor,
+               out_format: FloatFormat, lib=None) -> torch.Tensor:
+    """formats.round_scaled of t[:, :n] * 2**(e_r[r] + emin[n]), in C, as an [M, n] tensor of
+    `out_format`."""
     lib = lib or library()
     e_r, emin = e_r.to(torch.int64).contiguous(), emin.to(torch.int64).contiguous()
-    out = torch.empty((t.shape[0], n), dtype=torch.int32)
+    out = torch.empty((t.shape[0], n), dtype=torch_dtype(out_format))
     lib.round_rows(t.data_ptr(), t.shape[1], e_r.data_ptr(), emin.data_ptr(), t.shape[0], n,
-                   fmt.mant_bits, fmt.exp_bits, out.data_ptr())
-    return out.to(torch.int64) & 0xFFFFFFFF
+                   out_format.mant_bits, out_format.exp_bits, out.data_ptr())
+    return out
+
+
+def linear(x: torch.Tensor, act_bits: int, weights: NativeWeights, emin: torch.Tensor,
+           out_format: FloatFormat, lib=None) -> torch.Tensor:
+    """The whole fast path for x [M, K]: y [M, N] in `out_format` (raises on non-finite x)."""
+    lo, hi, e_r = quantize(x, act_bits, lib)
+    return round_rows(accumulate(lo, hi, act_bits, weights, lib), weights.n, e_r, emin,
+                      out_format, lib)
 
 
 def _self_check(lib) -> bool:
-    """The compiled kernel against int64 arithmetic and formats.round_scaled_array: the worst
-    case, random limbs, and rounding at ties, subnormals and overflow."""
+    """The compiled passes against their Python twins: quantization and limbs against
+    reference.quantize_activations and dataflow.activation_limbs, the accumulation against int64
+    arithmetic (the worst case and random limbs), the rounding against formats.round_scaled_array
+    (ties, subnormals, overflow), in every format."""
     from ..contract import FORMATS
-    from ..formats import round_scaled_array
+    from ..formats import bits_to_tensor, round_scaled_array
 
     g = torch.Generator().manual_seed(0)
     for act_bits in (8, 16):
+        for fmt in FORMATS.values():
+            bits = torch.randint(0, 1 << fmt.width, (5, 64), generator=g)
+            bits[1] >>= torch.randint(0, fmt.width, (64,), generator=g)  # wide row ranges
+            bits = torch.where(((bits >> fmt.mant_bits) & fmt.exp_max_field) == fmt.exp_max_field,
+                               bits & fmt.sign_bit, bits)  # finite only
+            bits[2], bits[3, 5] = 0, fmt.inf_bits - 1  # a zero row, the largest finite value
+            lo, hi, e_r = quantize(bits_to_tensor(bits, fmt), act_bits, lib)
+            qa, want_e = quantize_activations(bits, fmt, act_bits)
+            limbs = (dataflow.activation_limbs(qa, act_bits).to(torch.int16) + 128).to(torch.uint8)
+            if not (torch.equal(e_r, want_e) and torch.equal(lo, limbs[0])
+                    and torch.equal(hi, limbs[-1])):
+                return False
         qmax = 2 ** (act_bits - 1) - 1
-        q = torch.randint(-8, 8, (37, 256), generator=g)
-        q[0] = -8
-        qa = torch.randint(-qmax, qmax + 1, (6, 256), generator=g)
-        qa[0] = -qmax
-        ms = torch.randint(-255, 256, (37, 8), generator=g, dtype=torch.int32)
-        sh = torch.randint(0, 13, (37, 8), generator=g, dtype=torch.int32)
-        got = accumulate(qa, act_bits, NativeWeights(q, ms, sh), lib)[:, :37]
-        p = (qa.view(6, 1, 8, 32) * q.view(1, 37, 8, 32)).sum(-1)
-        if not torch.equal(got, ((p * ms.long()) << sh.long()).sum(-1)):
-            return False
-    t = torch.randint(-(2**62), 2**62, (4, 64), generator=g) >> torch.randint(0, 62, (4, 64),
+        for w_bits, m in ((4, 5), (4, 6), (4, 7), (8, 7)):  # both layouts, every tail of a tile
+            q = torch.randint(-(2 ** (w_bits - 1)), 2 ** (w_bits - 1), (37, 256), generator=g)
+            q[0] = -(2 ** (w_bits - 1))
+            qa = torch.randint(-qmax, qmax + 1, (m, 256), generator=g)
+            qa[0] = -qmax
+            limbs = dataflow.activation_limbs(qa, act_bits).to(torch.int16) + 128
+            limbs = limbs.to(torch.uint8)
+            ms = torch.randint(-255, 256, (37, 8), generator=g, dtype=torch.int32)
+            sh = torch.randint(0, 13, (37, 8), generator=g, dtype=torch.int32)
+            weights = NativeWeights(q, ms, sh)
+            got = accumulate(limbs[0], limbs[-1], act_bits, weights, lib)[:, :37]
+            p = (qa.view(m, 1, 8, 32) * q.view(1, 37, 8, 32)).sum(-1)
+            if not torch.equal(got, ((p * ms.long()) << sh.long()).sum(-1)):
+                return False
+    t = torch.randint(-(2**62), 2**62, (4, 67), generator=g) >> torch.randint(0, 62, (4, 67),
                                                                             generator=g)
-    e_r, emin = torch.randint(-300, 200, (4,), generator=g), torch.randint(-40, 40, (64,),
+    t[0, :8] = torch.tensor([0, 1, -1, 3, -3, 2**62, -(2**62), 5])
+    e_r, emin = torch.randint(-300, 200, (4,), generator=g), torch.randint(-40, 40, (67,),
                                                                             generator=g)
     for fmt in FORMATS.values():
         want = round_scaled_array(t, e_r[:, None] + emin[None, :], fmt)
-        if not torch.equal(round_rows(t, 64, e_r, emin, fmt, lib), want):
+        if not torch.equal(float_bits(round_rows(t, 67, e_r, emin, fmt, lib)), want):
             return False
     return True
