@@ -190,30 +190,34 @@ def group_recombine(w_bits: int, a_bits: int, dot_bits: int) -> Obligation:
 
 
 def vnni_recombine(w_bits: int, a_bits: int, dot_bits: int) -> Obligation:
-    """cpu_vnni.c's correction of its biased dots D' = D + 128 * sum_k q: the int32 steps
-    (D'_hi << 8) + D'_lo - (sum_k q << 15) (two limbs) or D'_lo - (sum_k q << 7) (one limb)
-    never wrap and give dataflow's P = 256 * D_hi + D_lo + 128 * sum_k q (or P = D_lo)."""
+    """cpu_vnni.c's correction of its biased dots D' = D + 128 * sum_k q: the low limb's sum
+    starts at -(sum_k q << 15) (two limbs) or -(sum_k q << 7) (one limb); every partial sum from
+    there, and P = (D'_hi << 8) + that sum, stay in int32 and give dataflow's
+    P = 256 * D_hi + D_lo + 128 * sum_k q (or P = D_lo)."""
     two = dataflow.act_limbs(a_bits) == 2
     limb_max = 128 if two else act_qmax(a_bits)
 
     def build():
         bound = GROUP_SIZE * limb_max * 2 ** (w_bits - 1)
+        biased_bound = GROUP_SIZE * 255 * 2 ** (w_bits - 1)  # vnni-dot: every partial sum
         d_hi, hi_ok = signed_var("D_hi", -bound, bound)
         d_lo, lo_ok = signed_var("D_lo", -bound, bound)
         wsum, sum_ok = signed_var("wsum", -GROUP_SIZE * 2 ** (w_bits - 1),
                                   GROUP_SIZE * (2 ** (w_bits - 1) - 1))
+        partial, partial_ok = signed_var("partial", -biased_bound, biased_bound)
         offset = dataflow.LIMB_OFFSET * wide(wsum)
         biased_hi, biased_lo = wide(d_hi) + offset, wide(d_lo) + offset  # vpdpbusd's D'
+        correction = wide(wsum) * 2 ** (15 if two else 7)
+        low_sum = biased_lo - correction
+        steps = [correction, -correction, wide(partial) - correction, low_sum]
         if two:
-            steps = [biased_hi * 256, biased_hi * 256 + biased_lo, wide(wsum) * 2**15]
-            p = steps[1] - steps[2]
+            steps += [biased_hi * 256, biased_hi * 256 + low_sum]
             want = wide(d_hi) * 256 + wide(d_lo) + offset
         else:
-            steps = [wide(wsum) * 2**7]
-            p = biased_lo - steps[0]
             want = wide(d_lo)
-        post = z3.And(*[fits(v, dot_bits) for v in (*steps, p)], p == want)
-        return z3.And(hi_ok, lo_ok, sum_ok), post, {"D_hi": d_hi, "D_lo": d_lo, "wsum": wsum}
+        post = z3.And(*[fits(v, dot_bits) for v in steps], steps[-1] == want)
+        return (z3.And(hi_ok, lo_ok, sum_ok, partial_ok), post,
+                {"D_hi": d_hi, "D_lo": d_lo, "wsum": wsum, "partial": partial})
 
     return Obligation(f"vnni-recombine-w{w_bits}-a{a_bits}",
                       f"the VNNI kernel's bias correction gives P in int{dot_bits}", build,

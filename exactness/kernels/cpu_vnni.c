@@ -5,8 +5,9 @@
 // products per instruction, never saturating) on the activation limbs biased by +128 to make them
 // unsigned, corrected exactly once per group:
 //     D' = sum (limb + 128) * q, |D'| <= 32 * 255 * 128 < 2**31 (proofs: vnni-dot)
-//     P = 256 * D'_hi + D'_lo - 32768 * sum_k q    (two limbs: 16-bit activations)
+//     P = 256 * D'_hi + (D'_lo - 32768 * sum_k q)  (two limbs: 16-bit activations)
 //     P = D'_lo - 128 * sum_k q                    (one limb)    (proofs: vnni-recombine)
+// where the low limb's sum starts at the correction instead of 0.
 // then T += P * c in int64 (c = ms << shift, an int32: vpmuldq's signed 32 x 32 -> 64 is exact).
 // Layouts: weights in blocks of 16 rows, [Np/16][K/4][16][4] int8, or, when every weight fits 4
 // bits, [Np/16][K/8][16][4] bytes holding the 4-bit pairs (q_j + 8) | (q_{j+1} + 8) << 4 of
@@ -38,7 +39,14 @@ ALWAYS_INLINE void tile(const uint8_t *lo, const uint8_t *hi, const uint8_t *wb,
     for (int i = 0; i < rows; i++) acc_even[i] = acc_odd[i] = _mm512_setzero_si512();
     for (int64_t g = 0; g < K / 32; g++) {
         __m512i d_lo[TILE_ROWS], d_hi[TILE_ROWS];
-        for (int i = 0; i < rows; i++) d_lo[i] = d_hi[i] = _mm512_setzero_si512();
+        // the correction starts the low limb's sum, so it costs a register move, not an add
+        const __m512i wsum_g = _mm512_loadu_si512(wsum + g * Np);
+        const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(),
+                                               _mm512_slli_epi32(wsum_g, two ? 15 : 7));
+        for (int i = 0; i < rows; i++) {
+            d_lo[i] = start;
+            d_hi[i] = _mm512_setzero_si512();
+        }
         for (int j = 0; j < 8; j += 2) {
             __m512i wv[2];
             if (nibbles) {
@@ -59,13 +67,12 @@ ALWAYS_INLINE void tile(const uint8_t *lo, const uint8_t *hi, const uint8_t *wb,
                 }
             }
         }
-        const __m512i corr = _mm512_slli_epi32(_mm512_loadu_si512(wsum + g * Np), two ? 15 : 7);
         const __m256i *cg = (const __m256i *)(c + g * Np);
         const __m512i c_even = _mm512_cvtepi32_epi64(_mm256_loadu_si256(cg));
         const __m512i c_odd = _mm512_cvtepi32_epi64(_mm256_loadu_si256(cg + 1));
         for (int i = 0; i < rows; i++) {
-            __m512i p = two ? _mm512_add_epi32(_mm512_slli_epi32(d_hi[i], 8), d_lo[i]) : d_lo[i];
-            p = _mm512_sub_epi32(p, corr);
+            __m512i p = d_lo[i];
+            if (two) p = _mm512_add_epi32(_mm512_slli_epi32(d_hi[i], 8), p);
             acc_even[i] = _mm512_add_epi64(acc_even[i], _mm512_mul_epi32(p, c_even));
             acc_odd[i] = _mm512_add_epi64(acc_odd[i],
                                           _mm512_mul_epi32(_mm512_srli_epi64(p, 32), c_odd));

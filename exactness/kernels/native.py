@@ -170,7 +170,7 @@ def _self_check(lib) -> bool:
     from ..formats import bits_to_tensor, round_scaled_array
 
     g = torch.Generator().manual_seed(0)
-    for act_bits in (8, 16):
+    for act_bits in (4, 8, 16):
         for fmt in FORMATS.values():
             bits = torch.randint(0, 1 << fmt.width, (5, 64), generator=g)
             bits[1] >>= torch.randint(0, fmt.width, (64,), generator=g)  # wide row ranges
