@@ -55,18 +55,17 @@ def load(source: str, check: bool = True):
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "exactness"
     so = cache / f"cpu_vnni-{key}.so"
     if not so.exists():
-        cache.mkdir(parents=True, exist_ok=True)
         src, tmp = so.with_suffix(f".{os.getpid()}.c"), so.with_suffix(f".{os.getpid()}.tmp")
-        src.write_text(source)
-        cc = os.environ.get("CC", "cc")
-        try:
-            subprocess.run([cc, *FLAGS, str(src), "-o", str(tmp)], check=True,
-                           capture_output=True, timeout=120)
+        try:  # each process compiles to its own names; the rename is atomic
+            cache.mkdir(parents=True, exist_ok=True)
+            src.write_text(source)
+            subprocess.run([os.environ.get("CC", "cc"), *FLAGS, str(src), "-o", str(tmp)],
+                           check=True, capture_output=True, timeout=120)
+            os.replace(tmp, so)
         except (OSError, subprocess.SubprocessError):
-            return None
+            return None  # no compiler, or no writable cache: the int8-GEMM path runs instead
         finally:
-            src.unlink()
-        os.replace(tmp, so)
+            src.unlink(missing_ok=True)
     lib = ctypes.CDLL(str(so))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     signatures = {
