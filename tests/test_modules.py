@@ -70,6 +70,15 @@ def test_the_vnni_kernel_is_in_use_where_the_cpu_has_it():
         assert native.library() is not None
 
 
+def test_no_compiler_or_cache_means_no_c_kernel_not_a_crash(tmp_path, monkeypatch):
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(in_the_way))  # the cache cannot be created
+    assert native.load(native.SOURCE.read_text()) is None
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert native.load("this is not C") is None
+
+
 @needs_triton
 @given(linear_cases(max_k=128, max_n=40, max_rows=20))
 def test_triton_path_matches_reference(case):

@@ -9,6 +9,7 @@ rounding written straight into the output tensor.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -65,7 +66,8 @@ def load(source: str, check: bool = True):
         except (OSError, subprocess.SubprocessError):
             return None  # no compiler, or no writable cache: the int8-GEMM path runs instead
         finally:
-            src.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                src.unlink()
     lib = ctypes.CDLL(str(so))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     signatures = {
