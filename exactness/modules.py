@@ -57,10 +57,7 @@ class Certificate:
     shift: torch.Tensor  # [N, G] int32: es - emin, 0 on slow rows
     fast: torch.Tensor  # [N] bool
     spread_limit: int
-
-    @property
-    def slow_rows(self) -> torch.Tensor:
-        return torch.nonzero(~self.fast).flatten()
+    slow_rows: torch.Tensor  # [N_slow] int64, the rows not fast (found once, not per forward)
 
     def summary(self) -> dict:
         return {"rows": int(self.fast.numel()), "fast_rows": int(self.fast.sum()),
@@ -74,7 +71,8 @@ def certify(weight_scale: torch.Tensor, k: int, w_bits: int, act_bits: int) -> C
     fast = spread <= limit
     keep = fast[:, None]
     return Certificate(emin, spread, torch.where(keep, ms, 0).to(torch.int32),
-                       torch.where(keep, shift, 0).to(torch.int32), fast, limit)
+                       torch.where(keep, shift, 0).to(torch.int32), fast, limit,
+                       torch.nonzero(~fast).flatten().cpu())
 
 
 def _default_packed(n: int, k: int, bits: int) -> torch.Tensor:
@@ -216,18 +214,20 @@ class _PackedExactLinear(nn.Module):
         else:
             if not bool(torch.isfinite(x2).all()):
                 check_finite(float_bits(x2), x_format, "x")  # raises, with the count and index
-            qa, e_r = quantize_rows(x2, self.act_bits)
-            limbs = dataflow.activation_limbs(qa, self.act_bits)
             if path == "triton":
-                t = triton_exact.accumulate(limbs.contiguous(), self.weight_packed,
-                                            cert.mantissa.to(x.device), cert.shift.to(x.device),
-                                            self.bits)
-            elif cpu.int_mm_exact():
-                t = cpu.accumulate(limbs, self._cpu_layout(cpu.FoldedWeights))
-            else:
-                t = cpu.accumulate_int64(qa, self._cpu_layout(cpu.FoldedWeights))
-            e = e_r[:, None] + cert.emin.to(x.device)[None, :]
-            y = bits_to_tensor(round_scaled_array(t, e, out_format), out_format)
+                limbs, e_r = triton_exact.quantize(x2, self.act_bits)
+                y = triton_exact.linear(limbs, e_r, self.weight_packed,
+                                        cert.mantissa.to(x.device), cert.shift.to(x.device),
+                                        cert.emin.to(x.device), self.bits, out_dtype)
+            else:  # the int8-GEMM fallback
+                qa, e_r = quantize_rows(x2, self.act_bits)
+                folded = self._cpu_layout(cpu.FoldedWeights)
+                if cpu.int_mm_exact():
+                    t = cpu.accumulate(dataflow.activation_limbs(qa, self.act_bits), folded)
+                else:
+                    t = cpu.accumulate_int64(qa, folded)
+                e = e_r[:, None] + cert.emin[None, :]
+                y = bits_to_tensor(round_scaled_array(t, e, out_format), out_format)
         slow = cert.slow_rows
         if slow.numel():  # scale spreads no fast path holds: the exact reference, row by row
             y[:, slow.to(x.device)] = bits_to_tensor(reference_linear(

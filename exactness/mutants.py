@@ -308,7 +308,7 @@ CATALOGUE = (
            "a group's word offset hard-coded for int4: 8-bit weights read from the wrong words",
            (TRITON, TRITON_VECTORS)),
     # --- accumulators
-    Mutant("kernel-int32-combine", "exactness.kernels.triton_exact:accumulate",
+    Mutant("kernel-int32-combine", "exactness.kernels.triton_exact:linear",
            "COMBINE_ACC=_INT[dataflow.COMBINE_ACC_BITS]", "COMBINE_ACC=_INT[32]",
            "an int32 accumulator where the contract needs int64",
            (TRITON, "tests/test_modules.py::test_full_kimi_size_triton_act16")),
@@ -348,7 +348,8 @@ CATALOGUE = (
            "y = bits_to_tensor(round_scaled_array(t, e, out_format), out_format)",
            "y = torch.ldexp(t.double(), e.double()).float().to(out_dtype)",
            "the exact integer rounded to fp32, then to bf16 (Marlin epilogue, OpenVINO)",
-           ("tests/test_modules.py::test_final_rounding_near_ties", TRITON)),
+           ("tests/test_modules.py::test_final_rounding_near_ties_through_the_int8_gemm_fallback",
+            GEMM_VECTORS)),
     # --- activation quantization
     Mutant("activation-exponent-too-small-clamped", "exactness.kernels.activations:quantize_rows",
            "return torch.round(scaled).to(torch.int32), e_r",
@@ -371,6 +372,19 @@ CATALOGUE = (
            "amax = x.abs().amax().expand(x.shape[0], 1)",
            "one activation scale for the whole batch: a row's bits depend on the others",
            (GEMM, BATCH)),
+    # --- the Triton kernels' quantization and rounding
+    Mutant("kernel-rounding-ties-away", "exactness.kernels.triton_exact:rne_shift_right",
+           "((rem == half) & ((n & 1) == 1))", "(rem == half)",
+           "the Triton epilogue's ties rounded away from zero instead of to even",
+           ("tests/test_modules.py::test_final_rounding_near_ties", TRITON)),
+    Mutant("kernel-activation-exponent-too-small", "exactness.kernels.triton_exact:quantize_kernel",
+           "ae + t0 + tl.where(fits, 0, 1)", "ae + t0",
+           "the Triton quantization's row exponent one too small where the maximum needs the next",
+           (TRITON, TRITON_VECTORS)),
+    Mutant("kernel-output-sign-dropped", "exactness.kernels.triton_exact:round_scaled",
+           "bits = bits | tl.where(m < 0, (a * 0 + 1) << (MANT + EXP), 0)", "bits = bits",
+           "the sign bit not set on negative outputs in the Triton epilogue",
+           (TRITON_VECTORS, TRITON)),
     # --- the C kernel (cpu_vnni.c), the CPU path's production code
     Mutant("vnni-high-limb-correction-unscaled", C_KERNEL, "two ? 15 : 7", "7",
            "the bias correction of the high limb not scaled by 256 (per-limb zero points)",

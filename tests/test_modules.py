@@ -92,6 +92,12 @@ def test_final_rounding_near_ties(case):
         check_path(case, path)
 
 
+@given(final_rounding_near_ties())
+def test_final_rounding_near_ties_through_the_int8_gemm_fallback(case):
+    with mock.patch.object(native, "library", lambda: None):
+        check_path(case, "cpu")
+
+
 @given(linear_cases(max_k=96, max_n=8, max_rows=3), st.data())
 def test_wide_spread_rows_stay_exact(case, data):
     """Scale exponents across the whole bf16 range: certified slow rows take the exact path."""

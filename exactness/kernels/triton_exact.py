@@ -1,9 +1,16 @@
-"""The GPU kernel, in Triton; on CPU it runs under the interpreter (TRITON_INTERPRET=1).
+"""The GPU kernels, in Triton; on CPU they run under the interpreter (TRITON_INTERPRET=1).
 
-Per output tile and per group of 32: the packed words are unpacked to int8 in registers, one
-int8 x int8 -> int32 dot per activation limb gives the group's exact P, and P * ms << shift is
-added into an int64 accumulator (widths: exactness/dataflow.py). The tile's T goes to memory;
-the one final rounding happens after (formats.round_scaled_array), from T and the exponent.
+One forward is two launches:
+- `quantize_kernel`, one program per activation row: the row exponent e_r by the contract's
+  integer rule (section 3) on the row maximum's bit pattern, then qa = RNE(x * 2**-e_r) by integer
+  shifts of each value's significand, written as dataflow's int8 limbs;
+- `exact_group_kernel`, per output tile and per group of 32: the packed words unpacked to int8 in
+  registers, one int8 x int8 -> int32 dot per activation limb gives the group's exact P, and
+  P * ms << shift is added into an int64 accumulator (widths: exactness/dataflow.py); the tile's
+  exact T is rounded once (`round_scaled`, the twin of formats.round_scaled_array) and stored as
+  the output's bit patterns.
+The integer helpers are twins of formats.py's and reference.py's; the suite checks the kernels
+bit for bit against the reference.
 """
 
 from __future__ import annotations
@@ -13,7 +20,7 @@ import os
 import torch
 
 from .. import dataflow
-from ..contract import GROUP_SIZE
+from ..contract import GROUP_SIZE, act_qmax, float_format
 
 try:
     import triton
@@ -25,7 +32,7 @@ except ImportError:  # the CPU path needs no Triton
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 BLOCK_M = 16
 BLOCK_N = 512 if INTERPRETED else 64
-
+BLOCK_K = 1024 if INTERPRETED else 256  # activations per row and step of the quantization
 
 def available() -> bool:
     return triton is not None
@@ -34,12 +41,115 @@ def available() -> bool:
 if triton is not None:
 
     @triton.jit
+    def narrow(x, length, S: tl.constexpr):
+        """One step of the binary search: drop S bits from x where it has more than S."""
+        big = (x >> S) != 0
+        return tl.where(big, x >> S, x), length + tl.where(big, S, 0)
+
+    @triton.jit
+    def bit_length(x):
+        """formats.bit_length_array: bit length of int64 x >= 0, by binary search on shifts."""
+        x, length = narrow(x, x * 0, 32)
+        x, length = narrow(x, length, 16)
+        x, length = narrow(x, length, 8)
+        x, length = narrow(x, length, 4)
+        x, length = narrow(x, length, 2)
+        x, length = narrow(x, length, 1)
+        return length + (x != 0).to(tl.int64)
+
+    @triton.jit
+    def rne_shift_right(a, s):
+        """formats.rne_shift_right: RNE(a / 2**s) for int64 a >= 0 and 0 <= s <= 63."""
+        one = a * 0 + 1
+        n = a >> s
+        rem = a & ((one << s) - 1)
+        half = tl.where(s > 0, one << tl.maximum(s - 1, 0), 0)
+        up = (s > 0) & ((rem > half) | ((rem == half) & ((n & 1) == 1)))
+        return n + up.to(tl.int64)
+
+    @triton.jit
+    def round_scaled(m, e, MANT: tl.constexpr, EXP: tl.constexpr):
+        """formats.round_scaled_array: bit patterns (int64) of RNE(m * 2**e), |m| < 2**63."""
+        bias: tl.constexpr = (1 << (EXP - 1)) - 1
+        a = tl.abs(m)
+        length = bit_length(a)
+        q = tl.maximum(e + length - (MANT + 1), 1 - bias - MANT)
+        s = q - e
+        # s > length: under half an ulp, rounds to zero; otherwise s <= 63
+        n = tl.where(s <= 0, a << tl.minimum(tl.maximum(-s, 0), 63),
+                     rne_shift_right(a, tl.minimum(tl.maximum(s, 0), 63)))
+        n = tl.where(s > length, 0, n)
+        carry = n == (1 << (MANT + 1))
+        n = tl.where(carry, n >> 1, n)
+        q += carry.to(tl.int64)
+        field = q + MANT + bias
+        normal = tl.where(field >= (1 << EXP) - 1, ((1 << EXP) - 1) << MANT,
+                          (field << MANT) | (n & ((1 << MANT) - 1)))
+        bits = tl.where(n >= (1 << MANT), normal, n)
+        bits = bits | tl.where(m < 0, (a * 0 + 1) << (MANT + EXP), 0)  # int64: fp32's is 2**31
+        return tl.where(m == 0, 0, bits)
+
+    @triton.jit
+    def decode(b, MANT: tl.constexpr, EXP: tl.constexpr):
+        """formats.decode_array of unsigned finite patterns: (m, e), x = m * 2**e."""
+        field = (b >> MANT) & ((1 << EXP) - 1)
+        frac = b & ((1 << MANT) - 1)
+        m = tl.where(field == 0, frac, frac | (1 << MANT))
+        e = (2 - (1 << (EXP - 1)) - MANT) + tl.maximum(field - 1, 0)
+        return tl.where((b >> (MANT + EXP)) != 0, -m, m), e
+
+    @triton.jit
+    def quantize_kernel(
+        x_ptr, a_ptr, e_ptr, M, K, stride_xm, stride_limb,
+        MANT: tl.constexpr, EXP: tl.constexpr, QMAX: tl.constexpr, TWO_LIMBS: tl.constexpr,
+        LIMB_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        """reference.quantize_activations and dataflow.activation_limbs for BLOCK_M rows of x."""
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_k = tl.arange(0, BLOCK_K)
+        mask_m = offs_m < M
+        width: tl.constexpr = MANT + EXP + 1
+        amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int64)
+        for k0 in range(0, K, BLOCK_K):
+            mask = mask_m[:, None] & (k0 + offs_k < K)[None, :]
+            b = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask,
+                        other=0)
+            amax = tl.maximum(amax, b.to(tl.int64) & ((1 << (width - 1)) - 1))
+        am, ae = decode(tl.max(amax, axis=1), MANT, EXP)
+        # the least t with am <= Qa * 2**t is t0 or t0 + 1 (t0 from the bit lengths)
+        qmax = am * 0 + QMAX
+        t0 = bit_length(am) - bit_length(qmax)
+        fits = tl.where(t0 >= 0, am <= qmax << tl.maximum(t0, 0), am << tl.maximum(-t0, 0) <= qmax)
+        e_r = tl.where(am == 0, 0, ae + t0 + tl.where(fits, 0, 1))
+        tl.store(e_ptr + offs_m, e_r, mask=mask_m)
+        for k0 in range(0, K, BLOCK_K):
+            mask = mask_m[:, None] & (k0 + offs_k < K)[None, :]
+            b = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask,
+                        other=0)
+            m, e = decode(b.to(tl.int64) & ((1 << width) - 1), MANT, EXP)
+            s = e - e_r[:, None]
+            a = tl.abs(m)
+            # |m| < 2**25: right shifts past 26 give 0, so clipping them to 62 changes nothing
+            n = tl.where(s >= 0, a << tl.minimum(tl.maximum(s, 0), 62),
+                         rne_shift_right(a, tl.minimum(tl.maximum(-s, 0), 62)))
+            qa = tl.where(m < 0, -n, n)
+            a_ptrs = a_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :]
+            if TWO_LIMBS:  # qa - LIMB_OFFSET = hi * 256 + lo
+                lo = ((qa - LIMB_OFFSET + 128) & 255) - 128
+                tl.store(a_ptrs, lo.to(tl.int8), mask=mask)
+                tl.store(a_ptrs + stride_limb, ((qa - LIMB_OFFSET - lo) >> 8).to(tl.int8),
+                         mask=mask)
+            else:
+                tl.store(a_ptrs, qa.to(tl.int8), mask=mask)
+
+    @triton.jit
     def exact_group_kernel(
-        a_ptr, w_ptr, c_ptr, sh_ptr, t_ptr,
+        a_ptr, w_ptr, c_ptr, sh_ptr, e_ptr, emin_ptr, y_ptr,
         M, N, G,
-        stride_limb, stride_am, stride_wn, stride_cn, stride_tm,
+        stride_limb, stride_am, stride_wn, stride_cn, stride_ym,
         W_BITS: tl.constexpr, TWO_LIMBS: tl.constexpr, LIMB_OFFSET: tl.constexpr,
         DOT_ACC: tl.constexpr, COMBINE_ACC: tl.constexpr,
+        OUT_MANT: tl.constexpr, OUT_EXP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
@@ -69,32 +179,56 @@ if triton is not None:
             c = tl.load(c_ptr + offs_n * stride_cn + g, mask=mask_n, other=0).to(COMBINE_ACC)
             sh = tl.load(sh_ptr + offs_n * stride_cn + g, mask=mask_n, other=0).to(COMBINE_ACC)
             acc += (p.to(COMBINE_ACC) * c[None, :]) << sh[None, :]
-        t_ptrs = t_ptr + offs_m[:, None] * stride_tm + offs_n[None, :]
-        tl.store(t_ptrs, acc, mask=mask_m[:, None] & mask_n[None, :])
+        # the one rounding, from the exact T: y = RNE(T * 2**(e_r + emin))
+        e_r = tl.load(e_ptr + offs_m, mask=mask_m, other=0)
+        emin = tl.load(emin_ptr + offs_n, mask=mask_n, other=0)
+        bits = round_scaled(acc.to(tl.int64), e_r[:, None] + emin[None, :], OUT_MANT, OUT_EXP)
+        width: tl.constexpr = OUT_MANT + OUT_EXP + 1
+        sign = (bits * 0 + 1) << (width - 1)
+        signed = tl.where(bits >= sign, bits - 2 * sign, bits)  # the bits as the int view
+        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, signed.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 _INT = {32: tl.int32, 64: tl.int64} if triton is not None else {}  # widths of dataflow
+_BITS = {16: torch.int16, 32: torch.int32}  # a float tensor's bit view, by width
 
 
-def accumulate(limbs: torch.Tensor, weight_packed: torch.Tensor, mantissa: torch.Tensor,
-               shift: torch.Tensor, w_bits: int) -> torch.Tensor:
-    """T [M, N] int64 from activation limbs [L, M, K] int8 and the certified scale parts.
+def quantize(x: torch.Tensor, act_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(limbs [L, M, K] int8, e_r [M] int64) of finite x [M, K] (contract section 3, dataflow)."""
+    fmt = float_format(x.dtype)
+    x = x.contiguous()
+    m, k = x.shape
+    two = dataflow.act_limbs(act_bits) == 2
+    limbs = torch.empty((2 if two else 1, m, k), dtype=torch.int8, device=x.device)
+    e_r = torch.empty(m, dtype=torch.int64, device=x.device)
+    quantize_kernel[(triton.cdiv(m, BLOCK_M),)](
+        x.view(_BITS[fmt.width]), limbs, e_r, m, k, x.stride(0), limbs.stride(0),
+        MANT=fmt.mant_bits, EXP=fmt.exp_bits, QMAX=act_qmax(act_bits), TWO_LIMBS=two,
+        LIMB_OFFSET=dataflow.LIMB_OFFSET, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
+    )
+    return limbs, e_r
 
-    `mantissa` and `shift` are int32 [N, G], zero for rows the certificate sends elsewhere.
-    """
+
+def linear(limbs: torch.Tensor, e_r: torch.Tensor, weight_packed: torch.Tensor,
+           mantissa: torch.Tensor, shift: torch.Tensor, emin: torch.Tensor, w_bits: int,
+           out_dtype: torch.dtype) -> torch.Tensor:
+    """y [M, N] of `out_dtype` from activation limbs [L, M, K] int8, their row exponents and the
+    certified scale parts (`mantissa`, `shift` int32 [N, G], zero for rows the certificate sends
+    elsewhere; `emin` [N])."""
     if triton is None:
         raise RuntimeError("the Triton path needs the triton package (pip install triton)")
     n_limbs, m, k = limbs.shape
     n = weight_packed.shape[0]
-    t = torch.empty((m, n), dtype={32: torch.int32, 64: torch.int64}[dataflow.COMBINE_ACC_BITS],
-                    device=limbs.device)
+    out = float_format(out_dtype)
+    y = torch.empty((m, n), dtype=out_dtype, device=limbs.device)
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
     exact_group_kernel[grid](
-        limbs, weight_packed, mantissa, shift, t,
+        limbs, weight_packed, mantissa, shift, e_r, emin.to(torch.int64), y.view(_BITS[out.width]),
         m, n, k // GROUP_SIZE,
-        limbs.stride(0), limbs.stride(1), weight_packed.stride(0), mantissa.stride(0), t.stride(0),
+        limbs.stride(0), limbs.stride(1), weight_packed.stride(0), mantissa.stride(0), y.stride(0),
         W_BITS=w_bits, TWO_LIMBS=n_limbs == 2, LIMB_OFFSET=dataflow.LIMB_OFFSET,
         DOT_ACC=_INT[dataflow.DOT_ACC_BITS], COMBINE_ACC=_INT[dataflow.COMBINE_ACC_BITS],
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
+        OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
     )
-    return t
+    return y
