@@ -7,8 +7,8 @@
 //     D' = sum (limb + 128) * q, |D'| <= 32 * 255 * 128 < 2**31 (proofs: vnni-dot)
 //     P = 256 * D'_hi + (D'_lo - 32768 * sum_k q)  (two limbs: 16-bit activations)
 //     P = D'_lo - 128 * sum_k q                    (one limb)    (proofs: vnni-recombine)
-// where the low limb's sum starts at the correction instead of 0.
-// then T += P * c in int64 (c = ms << shift, an int32: vpmuldq's signed 32 x 32 -> 64 is exact).
+// where the low limb's sum starts at the correction instead of 0; then T += P * c in int64
+// (c = ms << shift, an int32: vpmuldq's signed 32 x 32 -> 64 is exact).
 // Layouts: weights in blocks of 16 rows, [Np/16][K/4][16][4] int8, or, when every weight fits 4
 // bits, [Np/16][K/8][16][4] bytes holding the 4-bit pairs (q_j + 8) | (q_{j+1} + 8) << 4 of
 // consecutive 4-k steps j, j + 1 (half the bytes to stream). Lane 2i of block b is weight row
@@ -20,9 +20,9 @@
 #include <string.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-#ifndef TILE_ROWS
-#define TILE_ROWS 4  // activation rows per weight load: 2 x 4 dot and 2 x 4 int64 registers
-#endif
+// activation rows per weight load: 2 x 4 dot and 2 x 4 int64 registers (TILES below lists the
+// tails 1..3: change both together)
+#define TILE_ROWS 4
 
 static inline __m512i broadcast4(const uint8_t *p) {
     int32_t v;
