@@ -39,17 +39,22 @@ def _resolve(target: str):
     return owner, name, getattr(owner, name)
 
 
+def _planted(source: str, mutant: Mutant) -> str:
+    """`source` with the mutant's one change; refuses a snippet that does not occur exactly once."""
+    if source.count(mutant.old) != 1:
+        raise ValueError(f"mutant {mutant.name}: {mutant.old!r} occurs "
+                         f"{source.count(mutant.old)} times in {mutant.target}, not once")
+    return source.replace(mutant.old, mutant.new)
+
+
 def mutated_function(mutant: Mutant):
     """(original, mutated): the target function and its mutated twin, compiled in memory."""
     owner, name, original = _resolve(mutant.target)
     module = sys.modules[mutant.target.split(":")[0]]
     # a @triton.jit kernel keeps its Python function in .fn; its source carries the decorator
     source = textwrap.dedent(inspect.getsource(getattr(original, "fn", original)))
-    if source.count(mutant.old) != 1:
-        raise ValueError(f"mutant {mutant.name}: {mutant.old!r} occurs "
-                         f"{source.count(mutant.old)} times in {mutant.target}, not once")
     namespace = dict(vars(module))
-    code = compile(source.replace(mutant.old, mutant.new), f"<mutant {mutant.name}>", "exec")
+    code = compile(_planted(source, mutant), f"<mutant {mutant.name}>", "exec")
     exec(code, namespace)  # noqa: S102 - the point: our own source, one planted change
     return original, namespace[name]
 
@@ -70,11 +75,7 @@ def mutated_c_kernel(mutant: Mutant):
     self-check would refuse it: tests/test_mutants.py shows it does)."""
     from .kernels import native
 
-    source = native.SOURCE.read_text()
-    if source.count(mutant.old) != 1:
-        raise ValueError(f"mutant {mutant.name}: {mutant.old!r} occurs "
-                         f"{source.count(mutant.old)} times in {C_KERNEL}, not once")
-    lib = native.load(source.replace(mutant.old, mutant.new), check=False)
+    lib = native.load(_planted(native.SOURCE.read_text(), mutant), check=False)
     if lib is None:
         raise RuntimeError(f"mutant {mutant.name}: the mutated C kernel does not compile")
     return lib

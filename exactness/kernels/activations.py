@@ -1,4 +1,5 @@
-"""Activation quantization for the fast paths, in float64 where that is exact.
+"""Activation quantization for the int8-GEMM fallback, in float64 where that is exact (the VNNI
+and Triton paths quantize inside their own kernels).
 
 Same result as `reference.quantize_activations` (the suite checks it bit for bit), but few passes:
 e_r comes from the integer rule on the [M] row maxima alone; then x * 2**-e_r is exact in float64

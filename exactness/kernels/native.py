@@ -2,9 +2,9 @@
 cached by source hash, loaded with ctypes, and used only where the CPU has AVX-512 VNNI and the
 compiled kernel passes its exactness self-check; otherwise the int8-GEMM path runs instead.
 
-One forward is three C passes: activations to biased int8 limbs (the row exponents e_r come from
-reference.quantize_activations on the row maxima), the exact accumulation T, and the final
-rounding written straight into the output tensor.
+One forward is three C passes: activations to biased int8 limbs (the row exponents e_r by the
+contract's integer rule on the row maxima, as reference.quantize_activations computes them), the
+exact accumulation T, and the final rounding written straight into the output tensor.
 """
 
 from __future__ import annotations

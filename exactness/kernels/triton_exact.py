@@ -34,6 +34,7 @@ BLOCK_M = 16
 BLOCK_N = 512 if INTERPRETED else 64
 BLOCK_K = 1024 if INTERPRETED else 256  # activations per row and step of the quantization
 
+
 def available() -> bool:
     return triton is not None
 
