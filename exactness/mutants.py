@@ -309,7 +309,7 @@ CATALOGUE = (
            "a group's word offset hard-coded for int4: 8-bit weights read from the wrong words",
            (TRITON, TRITON_VECTORS)),
     # --- accumulators
-    Mutant("kernel-int32-combine", "exactness.kernels.triton_exact:linear",
+    Mutant("kernel-int32-combine", "exactness.kernels.triton_exact:group_constants",
            "COMBINE_ACC=_INT[dataflow.COMBINE_ACC_BITS]", "COMBINE_ACC=_INT[32]",
            "an int32 accumulator where the contract needs int64",
            (TRITON, "tests/test_modules.py::test_full_kimi_size_triton_act16")),

@@ -126,6 +126,8 @@ STAGES = [
                  "tests/test_proofs.py"),
     pytest_stage("equivalence", "every layer path == reference, bit for bit, full Kimi sizes too",
                  "tests/test_modules.py"),
+    pytest_stage("compiled", "the Triton kernels compile for sm_90 (thorough: sm_80 too), int MMA",
+                 "tests/test_triton_compile.py"),
     Stage("corpus", "tests/counterexamples replayed on every path", corpus_stage),
     pytest_stage("mutants", "every planted bug is caught", "tests/test_mutants.py",
                  kill_only=True),

@@ -30,9 +30,10 @@ except ImportError:  # the CPU path needs no Triton
 
 # Under the interpreter every program and loop step costs Python time: wide tiles, few programs.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+GPU_BLOCK_N, GPU_BLOCK_K = 64, 256
 BLOCK_M = 16
-BLOCK_N = 512 if INTERPRETED else 64
-BLOCK_K = 1024 if INTERPRETED else 256  # activations per row and step of the quantization
+BLOCK_N = 512 if INTERPRETED else GPU_BLOCK_N
+BLOCK_K = 1024 if INTERPRETED else GPU_BLOCK_K  # activations per row and step of the quantization
 
 
 def available() -> bool:
@@ -195,19 +196,30 @@ _INT = {32: tl.int32, 64: tl.int64} if triton is not None else {}  # widths of d
 _BITS = {16: torch.int16, 32: torch.int32}  # a float tensor's bit view, by width
 
 
+def quantize_constants(fmt, act_bits: int, block_k: int = BLOCK_K) -> dict:
+    """quantize_kernel's compile-time constants for x in `fmt` (a FloatFormat)."""
+    return dict(MANT=fmt.mant_bits, EXP=fmt.exp_bits, QMAX=act_qmax(act_bits),
+                TWO_LIMBS=dataflow.act_limbs(act_bits) == 2, LIMB_OFFSET=dataflow.LIMB_OFFSET,
+                BLOCK_M=BLOCK_M, BLOCK_K=block_k)
+
+
+def group_constants(w_bits: int, two_limbs: bool, out, block_n: int = BLOCK_N) -> dict:
+    """exact_group_kernel's compile-time constants, output in `out` (a FloatFormat)."""
+    return dict(W_BITS=w_bits, TWO_LIMBS=two_limbs, LIMB_OFFSET=dataflow.LIMB_OFFSET,
+                DOT_ACC=_INT[dataflow.DOT_ACC_BITS], COMBINE_ACC=_INT[dataflow.COMBINE_ACC_BITS],
+                OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits, BLOCK_M=BLOCK_M, BLOCK_N=block_n)
+
+
 def quantize(x: torch.Tensor, act_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(limbs [L, M, K] int8, e_r [M] int64) of finite x [M, K] (contract section 3, dataflow)."""
     fmt = float_format(x.dtype)
     x = x.contiguous()
     m, k = x.shape
-    two = dataflow.act_limbs(act_bits) == 2
-    limbs = torch.empty((2 if two else 1, m, k), dtype=torch.int8, device=x.device)
+    limbs = torch.empty((dataflow.act_limbs(act_bits), m, k), dtype=torch.int8, device=x.device)
     e_r = torch.empty(m, dtype=torch.int64, device=x.device)
     quantize_kernel[(triton.cdiv(m, BLOCK_M),)](
         x.view(_BITS[fmt.width]), limbs, e_r, m, k, x.stride(0), limbs.stride(0),
-        MANT=fmt.mant_bits, EXP=fmt.exp_bits, QMAX=act_qmax(act_bits), TWO_LIMBS=two,
-        LIMB_OFFSET=dataflow.LIMB_OFFSET, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
-    )
+        **quantize_constants(fmt, act_bits))
     return limbs, e_r
 
 
@@ -228,8 +240,5 @@ def linear(limbs: torch.Tensor, e_r: torch.Tensor, weight_packed: torch.Tensor,
         limbs, weight_packed, mantissa, shift, e_r, emin.to(torch.int64), y.view(_BITS[out.width]),
         m, n, k // GROUP_SIZE,
         limbs.stride(0), limbs.stride(1), weight_packed.stride(0), mantissa.stride(0), y.stride(0),
-        W_BITS=w_bits, TWO_LIMBS=n_limbs == 2, LIMB_OFFSET=dataflow.LIMB_OFFSET,
-        DOT_ACC=_INT[dataflow.DOT_ACC_BITS], COMBINE_ACC=_INT[dataflow.COMBINE_ACC_BITS],
-        OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N,
-    )
+        **group_constants(w_bits, n_limbs == 2, out))
     return y

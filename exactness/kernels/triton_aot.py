@@ -1,0 +1,165 @@
+"""The Triton kernels compiled ahead of time for NVIDIA GPUs, on a machine without one.
+
+The suite runs the kernels under the interpreter, which executes them with numpy's typing, not
+the compiler's: an int64 constant, a shift or a dot that the compiler types or lowers differently
+would pass there and break on a GPU. So every configuration the layer launches is compiled here
+for real targets down to PTX and cubin (Triton's bundled ptxas), and each int8 dot must lower to
+an integer tensor-core MMA (`mma.sync ... .s32.s8.s8.s32`). A compile error, or a group kernel
+without that MMA, is a failure; registers and spills are reported from ptxas.
+
+The interpreter replaces the kernels, so this runs in a process without TRITON_INTERPRET:
+    python -m exactness.kernels.triton_aot [--arch 80 90] [--quick] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, dataclass, field
+
+from ..contract import FORMATS
+from . import triton_exact
+
+ARCHS = (80, 90)  # A100, H100/H200
+INT_MMA = re.compile(r"mma\.sync\.aligned\.\S*\.s32\.s8\.s8\.s32")
+PTXAS_USAGE = re.compile(r"Used (\d+) registers")
+PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+@dataclass
+class Compiled:
+    kernel: str
+    config: str
+    arch: int
+    ok: bool
+    error: str = ""
+    int_mma: list[str] = field(default_factory=list)
+    shared_bytes: int = 0
+    registers: int = -1
+    spill_bytes: int = -1
+
+
+def _argument_types(kernel: str, width: int) -> dict:
+    """The launchers' runtime arguments (triton_exact.quantize / linear) as Triton types."""
+    if kernel == "quantize_kernel":
+        return dict(x_ptr=f"*i{width}", a_ptr="*i8", e_ptr="*i64", M="i32", K="i32",
+                    stride_xm="i32", stride_limb="i32")
+    return dict(a_ptr="*i8", w_ptr="*i32", c_ptr="*i32", sh_ptr="*i32", e_ptr="*i64",
+                emin_ptr="*i64", y_ptr=f"*i{width}", M="i32", N="i32", G="i32",
+                stride_limb="i32", stride_am="i32", stride_wn="i32", stride_cn="i32",
+                stride_ym="i32")
+
+
+def configurations(quick: bool = False) -> list[tuple[str, str, int, dict]]:
+    """(kernel, description, bit width of the float argument, constants) for every launch the
+    layer makes; `quick`: bf16 only, act_bits 8 and 16, 4-bit weights."""
+    formats = [FORMATS["bfloat16"]] if quick else list(FORMATS.values())
+    configs = []
+    for fmt in formats:
+        for act_bits in (8, 16) if quick else (4, 8, 16):
+            configs.append(("quantize_kernel", f"x {fmt.name}, act_bits {act_bits}", fmt.width,
+                            triton_exact.quantize_constants(fmt, act_bits,
+                                                            triton_exact.GPU_BLOCK_K)))
+    for w_bits in (4,) if quick else (4, 8):
+        for two in (False, True):
+            for out in formats:
+                configs.append(("exact_group_kernel",
+                                f"w_bits {w_bits}, {'two limbs' if two else 'one limb'}, "
+                                f"out {out.name}", out.width,
+                                triton_exact.group_constants(w_bits, two, out,
+                                                             triton_exact.GPU_BLOCK_N)))
+    return configs
+
+
+def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
+    """(registers, spill bytes) that ptxas reports for the PTX; (-1, -1) if it does not say."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    suffix = "a" if arch >= 90 else ""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.ptx")
+        with open(path, "w") as f:
+            f.write(ptx)
+        proc = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}{suffix}", path,
+                               "-o", os.path.join(tmp, "kernel.cubin")],
+                              capture_output=True, text=True, timeout=120)
+    usage, spills = PTXAS_USAGE.search(proc.stderr), PTXAS_SPILLS.search(proc.stderr)
+    return (int(usage.group(1)) if usage else -1,
+            int(spills.group(1)) + int(spills.group(2)) if spills else -1)
+
+
+def compile_kernel(fn, types: dict, constants: dict, arch: int, name: str = "",
+                   config: str = "", needs_int_mma: bool = False) -> Compiled:
+    """`fn` (a @triton.jit function) compiled for sm_`arch`; never raises for a bad kernel."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    name = name or fn.__name__
+    record = Compiled(name, config, arch, ok=False)
+    if not hasattr(fn, "cache_key"):  # an InterpretedFunction
+        record.error = "TRITON_INTERPRET is set: the kernels are interpreted, not compiled"
+        return record
+    signature = {arg: "constexpr" if arg in constants else types[arg] for arg in fn.arg_names}
+    source = ASTSource(fn, signature,
+                       constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
+    try:
+        kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+    except Exception as error:  # noqa: BLE001 - any compiler error is this kernel's verdict
+        record.error = f"{type(error).__name__}: {str(error).strip()[-1500:]}"
+        return record
+    ptx = kernel.asm["ptx"]
+    record.int_mma = sorted(set(INT_MMA.findall(ptx)))
+    record.shared_bytes = kernel.metadata.shared
+    record.registers, record.spill_bytes = _ptxas_usage(ptx, arch)
+    record.ok = bool(record.int_mma) or not needs_int_mma
+    if not record.ok:
+        record.error = "its int8 dots do not lower to an integer tensor-core MMA"
+    return record
+
+
+def compile_all(archs=ARCHS, quick: bool = False) -> list[Compiled]:
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences 3.9's notice; no floats
+    records = []
+    for arch in archs:
+        for kernel, config, width, constants in configurations(quick):
+            records.append(compile_kernel(getattr(triton_exact, kernel),
+                                          _argument_types(kernel, width), constants, arch,
+                                          kernel, config, kernel == "exact_group_kernel"))
+    return records
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m exactness.kernels.triton_aot",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHS),
+                        help="compute capabilities (80: A100, 90: H100/H200)")
+    parser.add_argument("--quick", action="store_true", help="bf16, act_bits 8/16, int4 only")
+    parser.add_argument("--json", action="store_true", help="the records as JSON on stdout")
+    args = parser.parse_args(argv)
+    if not triton_exact.available():
+        print("triton is not installed", file=sys.stderr)
+        return 2
+    records = compile_all(args.arch, args.quick)
+    if args.json:
+        print(json.dumps([asdict(r) for r in records]))
+    else:
+        print("| kernel | configuration | sm | verdict | int MMA | registers | spill bytes |"
+              " shared bytes |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+        for r in records:
+            verdict = "compiled" if r.ok else f"FAILED: {r.error}"
+            print(f"| {r.kernel} | {r.config} | {r.arch} | {verdict} | "
+                  f"{', '.join(m.split('.')[3] for m in r.int_mma) or '-'} | {r.registers} | "
+                  f"{r.spill_bytes} | {r.shared_bytes} |")
+    return 0 if records and all(r.ok for r in records) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,60 @@
+"""The Triton kernels compile for real GPUs (exactness.kernels.triton_aot), on this CPU machine:
+every launch configuration down to cubin, int8 dots on integer tensor-core MMA, no spills. The
+ci profile compiles the bf16 configurations for sm_90; thorough, all of them for sm_80 and sm_90.
+The interpreter, which the rest of the suite uses, accepts kernels a GPU build refuses: shown
+below on planted kernels that this check must catch."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+
+ROOT = Path(__file__).resolve().parents[1]
+PLANTED = ROOT / "tests" / "data" / "triton_planted_kernels.py"
+
+
+def compiled(*args: str) -> list[dict]:
+    """Runs a compile in a process without the interpreter; its JSON records."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT)
+    proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert proc.stdout.strip(), proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_every_launch_compiles_for_gpus():
+    thorough = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
+    args = ["-m", "exactness.kernels.triton_aot", "--json"] + (
+        ["--arch", "80", "90"] if thorough else ["--quick", "--arch", "90"])
+    records = compiled(*args)
+    assert len(records) == (42 if thorough else 4)
+    for r in records:
+        assert r["ok"], f"{r['kernel']} ({r['config']}, sm_{r['arch']}): {r['error']}"
+        assert r["spill_bytes"] == 0, f"{r['kernel']} ({r['config']}) spills registers"
+        if r["kernel"] == "exact_group_kernel":
+            assert r["int_mma"], r
+
+
+def test_planted_kernels_are_refused():
+    short, float_mma = compiled(str(PLANTED), "90")
+    assert not short["ok"] and "K >= 32" in short["error"]
+    assert not float_mma["ok"] and "integer tensor-core MMA" in float_mma["error"]
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs the interpreter")
+def test_the_interpreter_runs_what_the_compiler_refuses():
+    import torch
+
+    sys.path.insert(0, str(PLANTED.parent))
+    from triton_planted_kernels import short_int8_dot
+
+    a = torch.ones(16, 16, dtype=torch.int8)
+    c = torch.zeros(16, 16, dtype=torch.int32)
+    short_int8_dot[(1,)](a, a, c)
+    assert bool((c == 16).all())
