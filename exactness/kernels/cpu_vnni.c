@@ -1,5 +1,6 @@
-// The CPU twin of the Triton kernel, in three passes: activation quantization into int8 limbs,
-// the exact accumulation T, and the one final rounding. The integers are dataflow.py's.
+// The CPU twin of the Triton kernel, in two passes: activation quantization into int8 limbs, then
+// the exact accumulation T with the one final rounding done on T in registers (round_rows is the
+// same rounding as a pass of its own, for the self-check). The integers are dataflow.py's.
 //
 // Accumulation, per group of 32: int8 dots with AVX-512 VNNI (vpdpbusd, u8 x s8 -> s32, 64
 // products per instruction, never saturating) on the activation limbs biased by +128 to make them
@@ -30,10 +31,71 @@ static inline __m512i broadcast4(const uint8_t *p) {
     return _mm512_set1_epi32(v);
 }
 
-// T for `rows` activation rows (a compile-time constant at every call) against weight block wb.
+// formats.round_scaled, 8 lanes at a time: the bit pattern of RNE(m * 2**e) in a format of
+// `mant` stored bits and `expo` exponent bits (bf16 7/8, fp16 10/5, fp32 23/8), |m| < 2**63.
+// An exact zero is +0.0; a nonzero value that underflows keeps its sign.
+ALWAYS_INLINE __m512i round8(__m512i m, __m512i e, int mant, int expo) {
+    const __m512i one = _mm512_set1_epi64(1), zero = _mm512_setzero_si512();
+    const int64_t p = mant + 1, bias = (1 << (expo - 1)) - 1, emax = (1 << expo) - 1;
+    const __m512i a = _mm512_abs_epi64(m);
+    const __m512i length = _mm512_sub_epi64(_mm512_set1_epi64(64), _mm512_lzcnt_epi64(a));
+    // q: the exponent of the result's last place (at least the subnormals' one); s = q - e, the
+    // right shift of a (s <= 0: an exact left shift)
+    __m512i q = _mm512_add_epi64(e, _mm512_sub_epi64(length, _mm512_set1_epi64(p)));
+    q = _mm512_max_epi64(q, _mm512_set1_epi64(1 - bias - mant));
+    const __m512i s = _mm512_sub_epi64(q, e);
+    const __mmask8 right = _mm512_cmpgt_epi64_mask(s, zero);
+    const __m512i kept = _mm512_srlv_epi64(a, s);  // 0 for s >= 64
+    const __m512i rem = _mm512_and_si512(a, _mm512_sub_epi64(_mm512_sllv_epi64(one, s), one));
+    const __m512i half = _mm512_sllv_epi64(one, _mm512_sub_epi64(s, one));
+    const __mmask8 above = _mm512_cmpgt_epu64_mask(rem, half);
+    const __mmask8 odd = _mm512_test_epi64_mask(kept, one);
+    const __mmask8 tie_to_even = _mm512_cmpeq_epi64_mask(rem, half) & odd;
+    __m512i n = _mm512_mask_add_epi64(kept, (above | tie_to_even) & right, kept, one);
+    n = _mm512_mask_mov_epi64(_mm512_sllv_epi64(a, _mm512_sub_epi64(zero, s)), right, n);
+    // s >= 64: under half the smallest step (length <= 63 < s), so 0
+    n = _mm512_maskz_mov_epi64(_mm512_cmplt_epi64_mask(s, _mm512_set1_epi64(64)), n);
+    const __mmask8 carry = _mm512_cmpeq_epi64_mask(n, _mm512_set1_epi64(1ll << p));
+    n = _mm512_mask_srli_epi64(n, carry, n, 1);
+    q = _mm512_mask_add_epi64(q, carry, q, one);
+    const __m512i field = _mm512_add_epi64(q, _mm512_set1_epi64(mant + bias));
+    const __m512i fraction = _mm512_and_si512(n, _mm512_set1_epi64((1ll << mant) - 1));
+    __m512i bits = _mm512_or_si512(_mm512_slli_epi64(field, mant), fraction);
+    const __mmask8 overflow = _mm512_cmpge_epi64_mask(field, _mm512_set1_epi64(emax));
+    bits = _mm512_mask_mov_epi64(bits, overflow, _mm512_set1_epi64(emax << mant));  // inf
+    const __mmask8 subnormal = _mm512_cmplt_epi64_mask(n, _mm512_set1_epi64(1ll << mant));
+    bits = _mm512_mask_mov_epi64(bits, subnormal, n);  // exponent field 0 (and 0 for m = 0)
+    const __mmask8 negative = _mm512_cmplt_epi64_mask(m, zero);
+    return _mm512_mask_or_epi64(bits, negative, bits, _mm512_set1_epi64(1ll << (mant + expo)));
+}
+
+// 8 bit patterns from round8 stored at out[i .. i + 8) as 16- or 32-bit values, the first
+// `left` of them (all 8 when left >= 8, none when left <= 0).
+ALWAYS_INLINE void store_bits(void *out, int64_t i, int64_t left, __m512i bits, int wide) {
+    const __mmask8 live = left >= 8 ? 0xFF : left <= 0 ? 0 : (__mmask8)((1u << left) - 1);
+    if (wide) {
+        _mm256_mask_storeu_epi32((uint32_t *)out + i, live, _mm512_cvtepi64_epi32(bits));
+    } else {
+        _mm_mask_storeu_epi16((uint16_t *)out + i, live, _mm512_cvtepi64_epi16(bits));
+    }
+}
+
+// Where a tile's result goes: T (int64, row stride Np), or, when y is set, the rounded output
+// itself: y[r, n] = round8(T, e_r[r] + emin[n]) as bit patterns (row stride N), straight from
+// the registers. emin is padded to Np; e_r and y start at the tile's first row.
+typedef struct {
+    int64_t *t;
+    void *y;
+    const int64_t *e_r, *emin;
+    int64_t N;
+    int mant, expo;
+} Out;
+
+// T for `rows` activation rows (a compile-time constant at every call) against weight block wb,
+// whose first column is n0.
 ALWAYS_INLINE void tile(const uint8_t *lo, const uint8_t *hi, const uint8_t *wb,
-                        const int32_t *wsum, const int32_t *c, int64_t *t, int64_t K, int64_t Np,
-                        const int rows, const int two, const int nibbles) {
+                        const int32_t *wsum, const int32_t *c, Out o, int64_t n0, int64_t K,
+                        int64_t Np, const int rows, const int two, const int nibbles) {
     const __m512i low4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
     __m512i acc_even[TILE_ROWS], acc_odd[TILE_ROWS];
     for (int i = 0; i < rows; i++) acc_even[i] = acc_odd[i] = _mm512_setzero_si512();
@@ -79,13 +141,23 @@ ALWAYS_INLINE void tile(const uint8_t *lo, const uint8_t *hi, const uint8_t *wb,
         }
     }
     for (int i = 0; i < rows; i++) {
-        _mm512_storeu_si512(t + i * Np, acc_even[i]);
-        _mm512_storeu_si512(t + i * Np + 8, acc_odd[i]);
+        if (o.y) {  // the one rounding: T never reaches memory
+            const __m512i e_r = _mm512_set1_epi64(o.e_r[i]);
+            const int wide = o.mant + o.expo + 1 == 32;
+            for (int h = 0; h < 2; h++) {
+                const __m512i e = _mm512_add_epi64(e_r, _mm512_loadu_si512(o.emin + n0 + 8 * h));
+                store_bits(o.y, i * o.N + n0 + 8 * h, o.N - n0 - 8 * h,
+                           round8(h ? acc_odd[i] : acc_even[i], e, o.mant, o.expo), wide);
+            }
+        } else {
+            _mm512_storeu_si512(o.t + i * Np + n0, acc_even[i]);
+            _mm512_storeu_si512(o.t + i * Np + n0 + 8, acc_odd[i]);
+        }
     }
 }
 
 #define TILE(R, TWO, NIB) \
-    tile(a_lo, a_hi, wb, wsum + b * 16, c + b * 16, tb, K, Np, R, TWO, NIB)
+    tile(a_lo, a_hi, wb, wsum + b * 16, c + b * 16, o, b * 16, K, Np, R, TWO, NIB)
 #define TILES(TWO, NIB)                              \
     switch (rows) {                                  \
         case 1: TILE(1, TWO, NIB); break;            \
@@ -94,15 +166,20 @@ ALWAYS_INLINE void tile(const uint8_t *lo, const uint8_t *hi, const uint8_t *wb,
         default: TILE(TILE_ROWS, TWO, NIB); break;   \
     }
 
+// T [M, Np] into t, or (y not NULL) the rounded output y [M, N] (see Out).
 void exact_linear_vnni(const uint8_t *lo, const uint8_t *hi, const uint8_t *w,
                        const int32_t *wsum, const int32_t *c, int64_t *t,
-                       int64_t M, int64_t K, int64_t Np, int two, int nibbles) {
+                       int64_t M, int64_t K, int64_t Np, int two, int nibbles,
+                       void *y, const int64_t *e_r, const int64_t *emin, int64_t N, int mant,
+                       int expo) {
+    const int bytes = mant + expo + 1 == 32 ? 4 : 2;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < Np / 16; b++) {
         const uint8_t *wb = w + b * K * (nibbles ? 8 : 16);
         for (int64_t r = 0; r < M; r += TILE_ROWS) {
             const uint8_t *a_lo = lo + r * K, *a_hi = hi + r * K;
-            int64_t *tb = t + r * Np + b * 16;
+            const Out o = y ? (Out){0, (char *)y + r * N * bytes, e_r + r, emin, N, mant, expo}
+                            : (Out){t + r * Np, 0, 0, 0, N, mant, expo};
             const int64_t rows = M - r < TILE_ROWS ? M - r : TILE_ROWS;
             if (two && nibbles) TILES(1, 1) else if (two) TILES(1, 0)
             else if (nibbles) TILES(0, 1) else TILES(0, 0)
@@ -177,44 +254,6 @@ void quantize_limbs(const void *x, int format, int64_t M, int64_t K, const int64
     }
 }
 
-// formats.round_scaled, 8 lanes at a time: the bit pattern of RNE(m * 2**e) in a format of
-// `mant` stored bits and `expo` exponent bits (bf16 7/8, fp16 10/5, fp32 23/8), |m| < 2**63.
-// An exact zero is +0.0; a nonzero value that underflows keeps its sign.
-ALWAYS_INLINE __m512i round8(__m512i m, __m512i e, int mant, int expo) {
-    const __m512i one = _mm512_set1_epi64(1), zero = _mm512_setzero_si512();
-    const int64_t p = mant + 1, bias = (1 << (expo - 1)) - 1, emax = (1 << expo) - 1;
-    const __m512i a = _mm512_abs_epi64(m);
-    const __m512i length = _mm512_sub_epi64(_mm512_set1_epi64(64), _mm512_lzcnt_epi64(a));
-    // q: the exponent of the result's last place (at least the subnormals' one); s = q - e, the
-    // right shift of a (s <= 0: an exact left shift)
-    __m512i q = _mm512_add_epi64(e, _mm512_sub_epi64(length, _mm512_set1_epi64(p)));
-    q = _mm512_max_epi64(q, _mm512_set1_epi64(1 - bias - mant));
-    const __m512i s = _mm512_sub_epi64(q, e);
-    const __mmask8 right = _mm512_cmpgt_epi64_mask(s, zero);
-    const __m512i kept = _mm512_srlv_epi64(a, s);  // 0 for s >= 64
-    const __m512i rem = _mm512_and_si512(a, _mm512_sub_epi64(_mm512_sllv_epi64(one, s), one));
-    const __m512i half = _mm512_sllv_epi64(one, _mm512_sub_epi64(s, one));
-    const __mmask8 above = _mm512_cmpgt_epu64_mask(rem, half);
-    const __mmask8 odd = _mm512_test_epi64_mask(kept, one);
-    const __mmask8 tie_to_even = _mm512_cmpeq_epi64_mask(rem, half) & odd;
-    __m512i n = _mm512_mask_add_epi64(kept, (above | tie_to_even) & right, kept, one);
-    n = _mm512_mask_mov_epi64(_mm512_sllv_epi64(a, _mm512_sub_epi64(zero, s)), right, n);
-    // s >= 64: under half the smallest step (length <= 63 < s), so 0
-    n = _mm512_maskz_mov_epi64(_mm512_cmplt_epi64_mask(s, _mm512_set1_epi64(64)), n);
-    const __mmask8 carry = _mm512_cmpeq_epi64_mask(n, _mm512_set1_epi64(1ll << p));
-    n = _mm512_mask_srli_epi64(n, carry, n, 1);
-    q = _mm512_mask_add_epi64(q, carry, q, one);
-    const __m512i field = _mm512_add_epi64(q, _mm512_set1_epi64(mant + bias));
-    const __m512i fraction = _mm512_and_si512(n, _mm512_set1_epi64((1ll << mant) - 1));
-    __m512i bits = _mm512_or_si512(_mm512_slli_epi64(field, mant), fraction);
-    const __mmask8 overflow = _mm512_cmpge_epi64_mask(field, _mm512_set1_epi64(emax));
-    bits = _mm512_mask_mov_epi64(bits, overflow, _mm512_set1_epi64(emax << mant));  // inf
-    const __mmask8 subnormal = _mm512_cmplt_epi64_mask(n, _mm512_set1_epi64(1ll << mant));
-    bits = _mm512_mask_mov_epi64(bits, subnormal, n);  // exponent field 0 (and 0 for m = 0)
-    const __mmask8 negative = _mm512_cmplt_epi64_mask(m, zero);
-    return _mm512_mask_or_epi64(bits, negative, bits, _mm512_set1_epi64(1ll << (mant + expo)));
-}
-
 // y[r, n] = round8(t[r, n], e_r[r] + emin[n]) for n < N, written as 16- or 32-bit patterns
 // (the output tensor itself).
 void round_rows(const int64_t *t, int64_t ld, const int64_t *e_r, const int64_t *emin,
@@ -226,15 +265,8 @@ void round_rows(const int64_t *t, int64_t ld, const int64_t *e_r, const int64_t 
         for (int64_t n = 0; n < N; n += 8) {
             const __mmask8 live = N - n >= 8 ? 0xFF : (__mmask8)((1u << (N - n)) - 1);
             const __m512i e = _mm512_add_epi64(er, _mm512_maskz_loadu_epi64(live, emin + n));
-            const __m512i bits = round8(_mm512_maskz_loadu_epi64(live, t + r * ld + n), e,
-                                        mant, expo);
-            if (wide) {
-                _mm256_mask_storeu_epi32((uint32_t *)out + r * N + n, live,
-                                         _mm512_cvtepi64_epi32(bits));
-            } else {
-                _mm_mask_storeu_epi16((uint16_t *)out + r * N + n, live,
-                                      _mm512_cvtepi64_epi16(bits));
-            }
+            store_bits(out, r * N + n, N - n,
+                       round8(_mm512_maskz_loadu_epi64(live, t + r * ld + n), e, mant, expo), wide);
         }
     }
 }

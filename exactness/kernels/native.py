@@ -2,9 +2,9 @@
 cached by source hash, loaded with ctypes, and used only where the CPU has AVX-512 VNNI and the
 compiled kernel passes its exactness self-check; otherwise the int8-GEMM path runs instead.
 
-One forward is three C passes: activations to biased int8 limbs (the row exponents e_r by the
-contract's integer rule on the row maxima, as reference.quantize_activations computes them), the
-exact accumulation T, and the final rounding written straight into the output tensor.
+One forward is two C passes: activations to biased int8 limbs (the row exponents e_r by the
+contract's integer rule on the row maxima, as reference.quantize_activations computes them), then
+the exact accumulation T, rounded once in registers and written straight into the output tensor.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def load(source: str, check: bool = True):
     lib = ctypes.CDLL(str(so))
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     signatures = {
-        "exact_linear_vnni": [ptr] * 6 + [i64] * 3 + [i32] * 2,
+        "exact_linear_vnni": [ptr] * 6 + [i64] * 3 + [i32] * 2 + [ptr] * 3 + [i64] + [i32] * 2,
         "row_exponents": [ptr, i32, i32, i64, i64, i64, ptr],
         "quantize_limbs": [ptr, i32, i64, i64, ptr, ptr, ptr, i32],
         "round_rows": [ptr, i64, ptr, ptr, i64, i64, i32, i32, ptr],
@@ -131,15 +131,27 @@ def quantize(x: torch.Tensor, act_bits: int, lib=None):
 
 
 def accumulate(lo: torch.Tensor, hi: torch.Tensor, act_bits: int, weights: NativeWeights,
-               lib=None) -> torch.Tensor:
-    """T [M, Np] int64 (padded columns are 0) from the biased limbs."""
+               lib=None, rounding: tuple | None = None) -> torch.Tensor:
+    """T [M, Np] int64 (padded columns are 0) from the biased limbs; or, with `rounding` =
+    (e_r, emin, out_format), y [M, N] in out_format: T rounded in the kernel's registers, the
+    same rounding as round_rows."""
     lib = lib or library()
-    t = torch.empty((lo.shape[0], weights.np), dtype=torch.int64)
+    m = lo.shape[0]
+    t = y = e_r = emin = None
+    fmt = rounding[2] if rounding else float_format("float32")
+    if rounding:
+        e_r = rounding[0].to(torch.int64).contiguous()
+        emin = torch.nn.functional.pad(rounding[1].to(torch.int64), (0, weights.np - weights.n))
+        y = torch.empty((m, weights.n), dtype=torch_dtype(fmt))
+    else:
+        t = torch.empty((m, weights.np), dtype=torch.int64)
     lib.exact_linear_vnni(lo.data_ptr(), hi.data_ptr(), weights.w.data_ptr(),
-                          weights.wsum.data_ptr(), weights.c.data_ptr(), t.data_ptr(),
-                          lo.shape[0], weights.k, weights.np,
-                          int(dataflow.act_limbs(act_bits) == 2), int(weights.nibbles))
-    return t
+                          weights.wsum.data_ptr(), weights.c.data_ptr(),
+                          t.data_ptr() if t is not None else None, m, weights.k, weights.np,
+                          int(dataflow.act_limbs(act_bits) == 2), int(weights.nibbles),
+                          *(x.data_ptr() if x is not None else None for x in (y, e_r, emin)),
+                          weights.n, fmt.mant_bits, fmt.exp_bits)
+    return y if rounding else t
 
 
 def round_rows(t: torch.Tensor, n: int, e_r: torch.Tensor, emin: torch.Tensor,
@@ -158,8 +170,7 @@ def linear(x: torch.Tensor, act_bits: int, weights: NativeWeights, emin: torch.T
            out_format: FloatFormat, lib=None) -> torch.Tensor:
     """The whole fast path for x [M, K]: y [M, N] in `out_format` (raises on non-finite x)."""
     lo, hi, e_r = quantize(x, act_bits, lib)
-    return round_rows(accumulate(lo, hi, act_bits, weights, lib), weights.n, e_r, emin,
-                      out_format, lib)
+    return accumulate(lo, hi, act_bits, weights, lib, (e_r, emin, out_format))
 
 
 def _self_check(lib) -> bool:
@@ -197,8 +208,16 @@ def _self_check(lib) -> bool:
             weights = NativeWeights(q, ms, sh)
             got = accumulate(limbs[0], limbs[-1], act_bits, weights, lib)[:, :37]
             p = (qa.view(m, 1, 8, 32) * q.view(1, 37, 8, 32)).sum(-1)
-            if not torch.equal(got, ((p * ms.long()) << sh.long()).sum(-1)):
+            want = ((p * ms.long()) << sh.long()).sum(-1)
+            if not torch.equal(got, want):
                 return False
+            e_r, emin = torch.randint(-160, 10, (m,), generator=g), torch.randint(-9, 9, (37,),
+                                                                                 generator=g)
+            for fmt in FORMATS.values():  # the rounding in the kernel's registers
+                y = accumulate(limbs[0], limbs[-1], act_bits, weights, lib, (e_r, emin, fmt))
+                if not torch.equal(float_bits(y), round_scaled_array(want, e_r[:, None]
+                                                                     + emin[None, :], fmt)):
+                    return False
     t = torch.randint(-(2**62), 2**62, (4, 67), generator=g) >> torch.randint(0, 62, (4, 67),
                                                                             generator=g)
     t[0, :8] = torch.tensor([0, 1, -1, 3, -3, 2**62, -(2**62), 5])
