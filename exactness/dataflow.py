@@ -46,6 +46,20 @@ def max_safe_spread(k: int, w_bits: int, act_bits: int, acc_bits: int = COMBINE_
 
 MAX_WEIGHT_LIMBS = 3  # the CPU path folds scales into weights of at most 3 int8 limbs
 
+# The CPU span kernel (16-bit activations, 4-bit weights): weights q * f with the scale folded in,
+# f = (ms << shift) >> base, in SPAN_WEIGHT_BITS; whole spans of groups summed in DOT_ACC_BITS.
+SPAN_WEIGHT_BITS = 16
+
+
+def span_fold_limit(w_bits: int = 4) -> int:
+    """The largest |f| whose folded weights q * f fit SPAN_WEIGHT_BITS for every q."""
+    return (2 ** (SPAN_WEIGHT_BITS - 1) - 1) // 2 ** (w_bits - 1)
+
+
+def span_size_limit(act_bits: int = 16) -> int:
+    """The largest sum_g |f_g| * sum_k |q| of a span: times Qa, still a DOT_ACC_BITS value."""
+    return (2 ** (DOT_ACC_BITS - 1) - 1) // act_qmax(act_bits)
+
 
 def int8_digits(v, count: int):
     """Signed base-256 digits of an int32 / int64 tensor, lowest first: [count, *v.shape] int8.

@@ -82,10 +82,12 @@ def mutated_c_kernel(mutant: Mutant):
 
 
 def runs_here(mutant: Mutant) -> bool:
-    """C mutants need the C kernel (AVX-512 VNNI and a compiler)."""
+    """C mutants, and those of the code only the C kernel runs, need the C kernel (AVX-512 VNNI
+    and a compiler)."""
     from .kernels import native
 
-    return mutant.target != C_KERNEL or native.library() is not None
+    needs_c = mutant.target == C_KERNEL or mutant.target.startswith("exactness.kernels.native:")
+    return not needs_c or native.library() is not None
 
 
 @contextmanager
@@ -251,6 +253,9 @@ TRITON_VECTORS = "tests/test_modules.py::test_vectors_through_the_triton_path"
 KERNEL = "exactness.kernels.triton_exact:exact_group_kernel"
 C_KERNEL = "exactness/kernels/cpu_vnni.c"
 BATCH = "tests/test_modules.py::test_batch_and_permutation_invariance"
+SPANS = "tests/test_modules.py::test_span_kernel_matches_reference"
+SPANS_VECTORS = "tests/test_modules.py::test_vectors_through_the_span_kernel"
+SPANS_EDGE = "tests/test_modules.py::test_span_kernel_at_the_int32_edge"
 
 CATALOGUE = (
     # --- packing and decoding
@@ -416,4 +421,19 @@ CATALOGUE = (
            "bits = _mm512_mask_mov_epi64(bits, subnormal, n);",
            "bits = _mm512_maskz_mov_epi64(~subnormal, bits);",
            "subnormal results flushed to zero (FTZ)", (CPU_VECTORS, CPU)),
+    # --- the span kernel (16-bit activations, 4-bit weights)
+    Mutant("span-bound-doubled", "exactness.kernels.native:span_scales",
+           "fits = ((tot // div <= limit)", "fits = ((tot // div <= 2 * limit)",
+           "a span's int32 bound off by a factor of two: two extreme groups share a span and wrap",
+           (SPANS_EDGE,)),
+    Mutant("span-base-shift-dropped", C_KERNEL,
+           "_mm512_srav_epi64(_mm512_slli_epi64(d, 32), r_even)",
+           "_mm512_srai_epi64(_mm512_slli_epi64(d, 32), 32)",
+           "a span's sum added without its power of two (the even rows' scale exponent lost)",
+           (SPANS, SPANS_VECTORS)),
+    Mutant("span-second-sum-not-reset", C_KERNEL,
+           "                d0[i] = d1[i] = _mm512_setzero_si512();",
+           "                d0[i] = _mm512_setzero_si512();",
+           "one of a row's two partial sums carried into the next span",
+           (SPANS, SPANS_VECTORS)),
 )

@@ -224,6 +224,42 @@ def vnni_recombine(w_bits: int, a_bits: int, dot_bits: int) -> Obligation:
                       w_bits=w_bits, a_bits=a_bits, acc_bits=dot_bits)
 
 
+def span_fold(w_bits: int) -> Obligation:
+    """cpu_vnni.c's span kernel: the folded weights q * f, |f| <= dataflow.span_fold_limit, are
+    s16 values (what vpmullw and vpdpwssd hold)."""
+
+    def build():
+        limit = dataflow.span_fold_limit(w_bits)
+        q, q_ok = signed_var("q", -(2 ** (w_bits - 1)), 2 ** (w_bits - 1) - 1)
+        f, f_ok = signed_var("f", -limit, limit)
+        return z3.And(q_ok, f_ok), fits(product(q, f), dataflow.SPAN_WEIGHT_BITS), {"q": q, "f": f}
+
+    return Obligation(f"span-fold-w{w_bits}", f"folded weights q * f in "
+                      f"int{dataflow.SPAN_WEIGHT_BITS}", build, w_bits=w_bits,
+                      acc_bits=dataflow.SPAN_WEIGHT_BITS)
+
+
+def span_group(w_bits: int, a_bits: int, dot_bits: int) -> Obligation:
+    """cpu_vnni.c's span kernel with a span of one group, which the certificate always allows:
+    there f = c >> base is the odd part of ms << shift, |f| <= 255, and the 32 products
+    qa * (q * f) sum in int32 (vpdpwssd) whatever the activations and weights."""
+    qmax, f_max = act_qmax(a_bits), 2**dataflow.SCALE_MANT_BITS - 1
+
+    def make():
+        a, a_ok = signed_var("qa", -qmax, qmax)
+        q, q_ok = signed_var("q", -(2 ** (w_bits - 1)), 2 ** (w_bits - 1) - 1)
+        f, f_ok = signed_var("f", -f_max, f_max)
+        bits = q.size() + f.size()  # q * f at its natural width: exact
+        qf = z3.SignExt(bits - q.size(), q) * z3.SignExt(bits - f.size(), f)
+        return product(a, qf), z3.And(a_ok, q_ok, f_ok), z3.BoolVal(True), {"qa": a, "q": q,
+                                                                            "f": f}
+
+    return accumulate_step(
+        f"span-group-w{w_bits}-a{a_bits}", f"one group of folded s16 dots (vpdpwssd) in "
+        f"int{dot_bits}", dot_bits, GROUP_SIZE, qmax * 2 ** (w_bits - 1) * f_max, make,
+        w_bits=w_bits, a_bits=a_bits)
+
+
 def group_bound(w_bits: int, a_bits: int) -> Obligation:
     """The closed form (A2Q-style) |P| <= 32 * 2**(bw-1) * Qa: never exceeded, and attained."""
     qmax, bound = act_qmax(a_bits), 2 ** (w_bits - 1) * act_qmax(a_bits)
@@ -346,6 +382,8 @@ def for_config(w_bits: int, a_bits: int, k: int, acc_bits: int | None = None,
     if dataflow.act_limbs(a_bits) == 2:
         obligations.append(group_recombine(w_bits, a_bits, dot))
     obligations.append(vnni_recombine(w_bits, a_bits, dot))
+    if (w_bits, a_bits) == (4, 16):  # the span kernel's configuration
+        obligations += [span_fold(w_bits), span_group(w_bits, a_bits, dot)]
     obligations += [combine(w_bits, a_bits, k, acc_bits, spread), cpu_int_mm(k, dot),
                     vnni_scale_fold(w_bits, a_bits, k, spread),
                     cpu_combine(w_bits, a_bits, k, spread)]

@@ -65,6 +65,56 @@ def test_vectors_through_the_int8_gemm_fallback():
         test_vectors_through_the_layer("cpu")
 
 
+# exact_linear_spans (16-bit activations, 4-bit weights) at every batch size, not only from
+# native.SPAN_MIN_ROWS rows on
+every_batch_takes_spans = mock.patch.object(native, "SPAN_MIN_ROWS", 1)
+needs_native = pytest.mark.skipif(native.library() is None, reason="no C kernel here")
+
+
+@needs_native
+@given(linear_cases(max_k=256, max_n=40, max_rows=20, w_bits=4, act_bits_=16))
+def test_span_kernel_matches_reference(case):
+    with every_batch_takes_spans:
+        check_path(case, "cpu")
+
+
+@needs_native
+def test_vectors_through_the_span_kernel():
+    with every_batch_takes_spans:
+        test_vectors_through_the_layer("cpu")
+
+
+@needs_native
+def test_span_kernel_at_the_int32_edge():
+    """Every weight -8 and every activation +Qa: a group's folded sum is 32 * 32767 * 8 * 255,
+    just under 2**31 with f = 255, so no two such groups may share a span; with f = 1 they all
+    may."""
+    m, k, n = 4, 256, 20
+    x = np.full((m, k), 0x46FFFE00, np.int64)  # fp32 32767.0: e_r = 0, qa = Qa
+    q = np.full((n, k), -8, np.int64)
+    for scale in (0x437F, 0xC37F, 0x3F80):  # 255, -255, 1.0: f = 255, -255, 1
+        case = LinearCase(x, FLOAT32, q, pack_weights(q, 4), np.full((n, k // 32), scale),
+                          16, FLOAT32, 4)
+        with every_batch_takes_spans:
+            check_path(case, "cpu")
+        layer = layer_for(case, "cpu")
+        layer(bits_to_tensor(x, FLOAT32))
+        ends = layer._cpu_layout(native.NativeWeights).spans[2]
+        assert bool((ends == 1).all()) == (scale != 0x3F80)
+
+
+@needs_native
+@given(linear_cases(max_k=128, max_n=20, max_rows=4, w_bits=4, act_bits_=16))
+def test_rows_agree_across_the_kernel_switch(case):
+    """A row's bits are the same whether its batch takes the limb kernel or the span kernel."""
+    layer = layer_for(case, "cpu")
+    x = bits_to_tensor(case.x_bits, case.x_format)
+    alone = tensor_to_bits(layer(x))  # fewer rows than SPAN_MIN_ROWS: the limb kernel
+    batch = x.repeat(-(-native.SPAN_MIN_ROWS // x.shape[0]), 1)
+    assert native.uses_spans(16, layer._cpu_layout(native.NativeWeights), batch.shape[0])
+    assert (tensor_to_bits(layer(batch))[:x.shape[0]] == alone).all()
+
+
 def test_the_vnni_kernel_is_in_use_where_the_cpu_has_it():
     if native._cpu_has_vnni():
         assert native.library() is not None

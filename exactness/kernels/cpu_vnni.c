@@ -1,8 +1,11 @@
-// The CPU twin of the Triton kernel, in two passes: activation quantization into int8 limbs, then
-// the exact accumulation T with the one final rounding done on T in registers (round_rows is the
-// same rounding as a pass of its own, for the self-check). The integers are dataflow.py's.
+// The CPU twin of the Triton kernel, in two passes: activation quantization, then the exact
+// accumulation T with the one final rounding done on T in registers (round_rows is the same
+// rounding as a pass of its own, for the self-check). The integers are dataflow.py's. Two
+// accumulation kernels: exact_linear_vnni (below: int8 limbs, any weights, any batch) and, for
+// 16-bit activations against 4-bit weights from native.SPAN_MIN_ROWS rows on, exact_linear_spans
+// (further down: whole int16 activations, scales folded into s16 weights, spans of groups).
 //
-// Accumulation, per group of 32: int8 dots with AVX-512 VNNI (vpdpbusd, u8 x s8 -> s32, 64
+// exact_linear_vnni's accumulation, per group of 32: int8 dots with AVX-512 VNNI (vpdpbusd, u8 x s8 -> s32, 64
 // products per instruction, never saturating) on the activation limbs biased by +128 to make them
 // unsigned, corrected exactly once per group:
 //     D' = sum (limb + 128) * q, |D'| <= 32 * 255 * 128 < 2**31 (proofs: vnni-dot)
@@ -18,6 +21,7 @@
 // c [G][Np] int32 in row order; lo, hi [M][K] uint8 (limb + 128); t [M][Np] int64.
 #include <immintrin.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
@@ -91,6 +95,23 @@ typedef struct {
     int mant, expo;
 } Out;
 
+// Activation row i's T for the 16 columns from n0 (rows n0 .. n0 + 7 even, n0 + 8 .. 15 odd),
+// stored as T or rounded once into y.
+ALWAYS_INLINE void finish(Out o, int i, int64_t n0, int64_t Np, __m512i even, __m512i odd) {
+    if (o.y) {  // the one rounding: T never reaches memory
+        const __m512i e_r = _mm512_set1_epi64(o.e_r[i]);
+        const int wide = o.mant + o.expo + 1 == 32;
+        for (int h = 0; h < 2; h++) {
+            const __m512i e = _mm512_add_epi64(e_r, _mm512_loadu_si512(o.emin + n0 + 8 * h));
+            store_bits(o.y, i * o.N + n0 + 8 * h, o.N - n0 - 8 * h,
+                       round8(h ? odd : even, e, o.mant, o.expo), wide);
+        }
+    } else {
+        _mm512_storeu_si512(o.t + i * Np + n0, even);
+        _mm512_storeu_si512(o.t + i * Np + n0 + 8, odd);
+    }
+}
+
 // T for `rows` activation rows (a compile-time constant at every call) against weight block wb,
 // whose first column is n0.
 ALWAYS_INLINE void tile(const uint8_t *lo, const uint8_t *hi, const uint8_t *wb,
@@ -140,20 +161,15 @@ ALWAYS_INLINE void tile(const uint8_t *lo, const uint8_t *hi, const uint8_t *wb,
                                           _mm512_mul_epi32(_mm512_srli_epi64(p, 32), c_odd));
         }
     }
-    for (int i = 0; i < rows; i++) {
-        if (o.y) {  // the one rounding: T never reaches memory
-            const __m512i e_r = _mm512_set1_epi64(o.e_r[i]);
-            const int wide = o.mant + o.expo + 1 == 32;
-            for (int h = 0; h < 2; h++) {
-                const __m512i e = _mm512_add_epi64(e_r, _mm512_loadu_si512(o.emin + n0 + 8 * h));
-                store_bits(o.y, i * o.N + n0 + 8 * h, o.N - n0 - 8 * h,
-                           round8(h ? acc_odd[i] : acc_even[i], e, o.mant, o.expo), wide);
-            }
-        } else {
-            _mm512_storeu_si512(o.t + i * Np + n0, acc_even[i]);
-            _mm512_storeu_si512(o.t + i * Np + n0 + 8, acc_odd[i]);
-        }
-    }
+    for (int i = 0; i < rows; i++) finish(o, i, n0, Np, acc_even[i], acc_odd[i]);
+}
+
+// The Out of the tile whose first activation row is r.
+static inline Out tile_out(int64_t *t, void *y, const int64_t *e_r, const int64_t *emin, int64_t r,
+                           int64_t N, int64_t Np, int mant, int expo) {
+    const int bytes = mant + expo + 1 == 32 ? 4 : 2;
+    return y ? (Out){0, (char *)y + r * N * bytes, e_r + r, emin, N, mant, expo}
+             : (Out){t + r * Np, 0, 0, 0, N, mant, expo};
 }
 
 #define TILE(R, TWO, NIB) \
@@ -172,18 +188,114 @@ void exact_linear_vnni(const uint8_t *lo, const uint8_t *hi, const uint8_t *w,
                        int64_t M, int64_t K, int64_t Np, int two, int nibbles,
                        void *y, const int64_t *e_r, const int64_t *emin, int64_t N, int mant,
                        int expo) {
-    const int bytes = mant + expo + 1 == 32 ? 4 : 2;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < Np / 16; b++) {
         const uint8_t *wb = w + b * K * (nibbles ? 8 : 16);
         for (int64_t r = 0; r < M; r += TILE_ROWS) {
             const uint8_t *a_lo = lo + r * K, *a_hi = hi + r * K;
-            const Out o = y ? (Out){0, (char *)y + r * N * bytes, e_r + r, emin, N, mant, expo}
-                            : (Out){t + r * Np, 0, 0, 0, N, mant, expo};
+            const Out o = tile_out(t, y, e_r, emin, r, N, Np, mant, expo);
             const int64_t rows = M - r < TILE_ROWS ? M - r : TILE_ROWS;
             if (two && nibbles) TILES(1, 1) else if (two) TILES(1, 0)
             else if (nibbles) TILES(0, 1) else TILES(0, 0)
         }
+    }
+}
+
+// 16-bit activations against 4-bit weights, per span of groups (exact_linear_spans): the
+// activations whole, as int16 (quantize_limbs mode 2), against s16 weights with the scales folded
+// in, q * f, f = ms << (shift - base), expanded per block of 16 weight rows into a scratch
+// [K/4][2][16][2] int16: for each 4-k step, the pairs (k0, k2) and (k1, k3) of every lane (lanes
+// in LANE_ROWS order, as above). vpdpwssd (s16 x s16, pairs summed into s32, wrapping) adds whole
+// spans of groups in int32: a span is certified when the weights load (native.SpanWeights) so that
+// 32767 * sum |q * f| < 2**31 bounds its sum, hence the wrapped int32 is exact (one group always
+// fits: proofs, span-group). At a span's end, T += sum << base in int64 (two shifts, no multiply).
+// f [Np/16][G][16] int16 in lane order; rsh [Np/16][G][16] int8 = 32 - base in row order (read at
+// span ends); ends [Np/16][G] uint8: 1 where a span ends.
+ALWAYS_INLINE void expand(const uint8_t *wb, const int16_t *f, int16_t *s, int64_t K) {
+    const __m512i flip = _mm512_set1_epi8((char)0x88);  // nibble q + 8 -> 4-bit two's complement
+    for (int64_t g = 0; g < K / 32; g++) {
+        const __m512i f32 =
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(f + g * 16)));
+        const __m512i f2 = _mm512_or_si512(f32, _mm512_slli_epi32(f32, 16));  // f in both words
+        for (int j = 0; j < 8; j += 2) {  // one byte vector: steps j (low nibbles) and j + 1
+            const __m512i x =
+                _mm512_xor_si512(_mm512_loadu_si512(wb + (g * 4 + j / 2) * 64), flip);
+            int16_t *o = s + (g * 8 + j) * 64;
+            // a lane's low word holds, low to high, the nibbles of k0 of step j, k0 of step j + 1,
+            // k1 of step j, k1 of step j + 1; its high word the same of k2, k3. Shifting one
+            // nibble to the top of its word and back down sign-extends it.
+            _mm512_storeu_si512(o, _mm512_mullo_epi16(
+                _mm512_srai_epi16(_mm512_slli_epi16(x, 12), 12), f2));       // step j: k0, k2
+            _mm512_storeu_si512(o + 32, _mm512_mullo_epi16(
+                _mm512_srai_epi16(_mm512_slli_epi16(x, 4), 12), f2));        // step j: k1, k3
+            _mm512_storeu_si512(o + 64, _mm512_mullo_epi16(
+                _mm512_srai_epi16(_mm512_slli_epi16(x, 8), 12), f2));        // step j + 1: k0, k2
+            _mm512_storeu_si512(o + 96, _mm512_mullo_epi16(_mm512_srai_epi16(x, 12), f2));
+        }
+    }
+}
+
+ALWAYS_INLINE void span_tile(const int16_t *a, const int16_t *s, const int8_t *rsh,
+                             const uint8_t *ends, Out o, int64_t n0, int64_t K, int64_t Np,
+                             const int rows) {
+    const __m512i high = _mm512_set1_epi64((int64_t)0xFFFFFFFF00000000ull);
+    // two sums per row (pairs (k0, k2) and (k1, k3)): twice the independent dependency chains
+    __m512i even[TILE_ROWS], odd[TILE_ROWS], d0[TILE_ROWS], d1[TILE_ROWS];
+    for (int i = 0; i < rows; i++) even[i] = odd[i] = d0[i] = d1[i] = _mm512_setzero_si512();
+    for (int64_t g = 0; g < K / 32; g++) {
+        for (int j = 0; j < 8; j++) {
+            const __m512i v0 = _mm512_loadu_si512(s + (g * 8 + j) * 64);
+            const __m512i v1 = _mm512_loadu_si512(s + (g * 8 + j) * 64 + 32);
+            for (int i = 0; i < rows; i++) {
+                const uint8_t *pair = (const uint8_t *)(a + i * K + g * 32 + j * 4);
+                d0[i] = _mm512_dpwssd_epi32(d0[i], v0, broadcast4(pair));      // k0, k2
+                d1[i] = _mm512_dpwssd_epi32(d1[i], v1, broadcast4(pair + 4));  // k1, k3
+            }
+        }
+        if (ends[g]) {
+            const __m128i shifts = _mm_loadu_si128((const __m128i *)(rsh + g * 16));
+            const __m512i r_even = _mm512_cvtepi8_epi64(shifts);  // rows 0..7
+            const __m512i r_odd = _mm512_cvtepi8_epi64(_mm_srli_si128(shifts, 8));
+            for (int i = 0; i < rows; i++) {
+                const __m512i d = _mm512_add_epi32(d0[i], d1[i]);  // exact: the span's bound
+                // the even lanes' int32 moved up, then shifted down by 32 - base: sum << base
+                even[i] = _mm512_add_epi64(even[i],
+                                           _mm512_srav_epi64(_mm512_slli_epi64(d, 32), r_even));
+                odd[i] = _mm512_add_epi64(odd[i],
+                                          _mm512_srav_epi64(_mm512_and_si512(d, high), r_odd));
+                d0[i] = d1[i] = _mm512_setzero_si512();
+            }
+        }
+    }
+    for (int i = 0; i < rows; i++) finish(o, i, n0, Np, even[i], odd[i]);
+}
+
+#define SPAN_TILE(R) \
+    span_tile(a + r * K, scratch, rsh + b * G * 16, ends + b * G, o, b * 16, K, Np, R)
+
+// T [M, Np] into t, or (y not NULL) the rounded output y [M, N] (see Out); w in the nibble layout.
+void exact_linear_spans(const int16_t *a, const uint8_t *w, const int16_t *f, const int8_t *rsh,
+                        const uint8_t *ends, int64_t *t, int64_t M, int64_t K, int64_t Np,
+                        void *y, const int64_t *e_r, const int64_t *emin, int64_t N, int mant,
+                        int expo) {
+    const int64_t G = K / 32;
+#pragma omp parallel
+    {
+        int16_t *scratch = aligned_alloc(64, K * 32 * sizeof(int16_t));  // 16 rows x K, s16
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < Np / 16; b++) {
+            expand(w + b * K * 8, f + b * G * 16, scratch, K);
+            for (int64_t r = 0; r < M; r += TILE_ROWS) {
+                const Out o = tile_out(t, y, e_r, emin, r, N, Np, mant, expo);
+                switch (M - r < TILE_ROWS ? M - r : TILE_ROWS) {
+                    case 1: SPAN_TILE(1); break;
+                    case 2: SPAN_TILE(2); break;
+                    case 3: SPAN_TILE(3); break;
+                    default: SPAN_TILE(TILE_ROWS); break;
+                }
+            }
+        }
+        free(scratch);
     }
 }
 
@@ -229,12 +341,14 @@ ALWAYS_INLINE __m256i scaled_integers(__m256 v, __m512d scale) {
     return _mm512_cvt_roundpd_epi32(exact, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-// qa = RNE(x * 2**-e_r[r]), then dataflow.activation_limbs biased by +128: one limb qa + 128, or
-// lo + 128 = qa & 255 and hi + 128 = (qa >> 8) + 128, from qa - 128 = hi * 256 + lo.
-// K is a multiple of 32.
+// qa = RNE(x * 2**-e_r[r]), stored by `mode`: 0 and 1, dataflow.activation_limbs biased by +128:
+// one limb qa + 128 (0), or lo + 128 = qa & 255 and hi + 128 = (qa >> 8) + 128, from
+// qa - 128 = hi * 256 + lo (1); 2, qa itself as int16 into lo, in each 4 k the order 0, 2, 1, 3
+// (exact_linear_spans' pairs). K is a multiple of 32.
 void quantize_limbs(const void *x, int format, int64_t M, int64_t K, const int64_t *e_r,
-                    uint8_t *lo, uint8_t *hi, int two) {
+                    uint8_t *lo, uint8_t *hi, int mode) {
     const __m512i bias = _mm512_set1_epi32(128), byte = _mm512_set1_epi32(255);
+    const __m512i pairs = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < M; r++) {
         const union { uint64_t u; double d; } power = {(uint64_t)(1023 - e_r[r]) << 52};
@@ -244,9 +358,14 @@ void quantize_limbs(const void *x, int format, int64_t M, int64_t K, const int64
             const __m512i qa = _mm512_inserti64x4(
                 _mm512_castsi256_si512(scaled_integers(_mm512_castps512_ps256(v), scale)),
                 scaled_integers(_mm512_extractf32x8_ps(v, 1), scale), 1);
-            const __m512i low = two ? _mm512_and_si512(qa, byte) : _mm512_add_epi32(qa, bias);
+            if (mode == 2) {
+                _mm256_storeu_si256((__m256i *)((int16_t *)lo + k),
+                                    _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(pairs, qa)));
+                continue;
+            }
+            const __m512i low = mode ? _mm512_and_si512(qa, byte) : _mm512_add_epi32(qa, bias);
             _mm_storeu_si128((__m128i *)(lo + k), _mm512_cvtepi32_epi8(low));
-            if (two) {
+            if (mode) {
                 const __m512i high = _mm512_add_epi32(_mm512_srai_epi32(qa, 8), bias);
                 _mm_storeu_si128((__m128i *)(hi + k), _mm512_cvtepi32_epi8(high));
             }

@@ -29,6 +29,7 @@ FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mav
          "-mavx512vl", "-mavx512cd", "-mavx512vnni"]
 NEEDS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx512_vnni")
 FORMAT_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}  # cpu_vnni.c's load16
+SPAN_MIN_ROWS = 24  # from here on the span kernel is faster (measured: docs/PERFORMANCE.md)
 # lane 2i of a 16-lane block holds weight row i, lane 2i + 1 row 8 + i (cpu_vnni.c's layout)
 LANE_ROWS = [row for i in range(8) for row in (i, 8 + i)]
 
@@ -72,6 +73,7 @@ def load(source: str, check: bool = True):
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     signatures = {
         "exact_linear_vnni": [ptr] * 6 + [i64] * 3 + [i32] * 2 + [ptr] * 3 + [i64] + [i32] * 2,
+        "exact_linear_spans": [ptr] * 6 + [i64] * 3 + [ptr] * 3 + [i64] + [i32] * 2,
         "row_exponents": [ptr, i32, i32, i64, i64, i64, ptr],
         "quantize_limbs": [ptr, i32, i64, i64, ptr, ptr, ptr, i32],
         "round_rows": [ptr, i64, ptr, ptr, i64, i64, i32, i32, ptr],
@@ -107,13 +109,66 @@ class NativeWeights:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.w, self.wsum, self.c))
+        spans = self.__dict__.get("spans", ())  # counted once built
+        return sum(t.numel() * t.element_size() for t in (self.w, self.wsum, self.c, *spans))
+
+    @functools.cached_property
+    def spans(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """exact_linear_spans' scales (span_scales), built on first use."""
+        return span_scales(self.c, self.w, self.k)
 
 
-def quantize(x: torch.Tensor, act_bits: int, lib=None):
+def span_scales(c: torch.Tensor, w: torch.Tensor, k: int):
+    """exact_linear_spans' scales for 4-bit weights (NativeWeights' c and nibbles w, K = k):
+    (f [Np/16, G, 16] int16 in lane order, rsh [Np/16, G, 16] int8 in row order, ends
+    [Np/16, G] uint8). Per block of 16 rows, groups are taken into a span while, for every
+    row, the folded weights fit s16 and the span's sum fits int32 whatever the activations:
+    with base the span's largest power of two dividing every c = ms << shift (so
+    f = c >> base is exact), max |f| <= dataflow.span_fold_limit (|q * f| fits s16) and
+    sum_g |f_g| * sum_k |q| <= dataflow.span_size_limit (times 32767, an int32). One group
+    always fits (proofs: span-fold, span-group)."""
+    nb, groups = c.shape[1] // 16, k // GROUP_SIZE
+    c = c.t().to(torch.int64).view(nb, 16, groups)  # row order
+    pairs = w.view(nb, groups, 4, 16, 4).to(torch.int16)
+    q_abs = ((pairs & 15) - 8).abs() + ((pairs >> 4) - 8).abs()  # both nibbles of a byte
+    lanes = q_abs.sum((2, 4)).transpose(1, 2)  # [Nb, 16 lanes, G]: sum_k |q| per group
+    q_sum = torch.empty_like(lanes)
+    q_sum[:, LANE_ROWS] = lanes  # row order
+    never = 1 << 40  # "no nonzero scale yet": divides nothing
+    low_bit = torch.where(c != 0, c & -c, never)  # the largest power of two dividing c
+    size = c.abs() * q_sum
+    limit, fold_limit = dataflow.span_size_limit(16), dataflow.span_fold_limit(4)
+    ends = torch.zeros(nb, groups, dtype=torch.bool)
+    divisor = torch.zeros(nb, 16, groups, dtype=torch.int64)  # 2**base at each span end
+    span_div, span_size, span_max = low_bit[..., 0], size[..., 0], c[..., 0].abs()
+    for g in range(1, groups):  # greedy: extend the span while every row's bound holds
+        div = torch.minimum(span_div, low_bit[..., g])
+        tot, top = span_size + size[..., g], torch.maximum(span_max, c[..., g].abs())
+        fits = ((tot // div <= limit) & (top // div <= fold_limit)).all(1)
+        ends[~fits, g - 1] = True
+        divisor[~fits, :, g - 1] = span_div[~fits]
+        keep = fits[:, None]
+        span_div = torch.where(keep, div, low_bit[..., g])
+        span_size = torch.where(keep, tot, size[..., g])
+        span_max = torch.where(keep, top, c[..., g].abs())
+    ends[:, -1] = True
+    divisor[..., -1] = span_div
+    divisor = torch.where(divisor == never, 1, divisor)
+    # each group's span is the first end at or after it
+    last = torch.where(ends, torch.arange(groups), groups)
+    end_of = last.flip(1).cummin(1).values.flip(1)
+    base = divisor.log2().round().to(torch.int64)  # exact: powers of two below 2**40
+    f = c >> torch.gather(base, 2, end_of[:, None, :].expand(nb, 16, groups))
+    return (f[:, LANE_ROWS].transpose(1, 2).to(torch.int16).contiguous(),
+            (32 - base).transpose(1, 2).to(torch.int8).contiguous(),
+            ends.to(torch.uint8).contiguous())
+
+
+def quantize(x: torch.Tensor, act_bits: int, lib=None, words: bool = False):
     """(lo, hi, e_r): x [M, K] as cpu_vnni.c's biased limbs [M, K] uint8 (hi is lo for one-limb
-    activations) and the row exponents e_r [M] int64 (contract section 3). Raises
-    NonFiniteError (formats.check_finite) if x holds a non-finite value."""
+    activations), or with `words` qa itself as int16 in exact_linear_spans' order (lo and hi
+    both), and the row exponents e_r [M] int64 (contract section 3). Raises NonFiniteError
+    (formats.check_finite) if x holds a non-finite value."""
     lib = lib or library()
     fmt = float_format(x.dtype)
     x = x.contiguous()
@@ -123,18 +178,25 @@ def quantize(x: torch.Tensor, act_bits: int, lib=None):
                          e_r.data_ptr()):
         check_finite(float_bits(x), fmt, "x")
     two = dataflow.act_limbs(act_bits) == 2
-    lo = torch.empty((m, k), dtype=torch.uint8)
-    hi = torch.empty((m, k), dtype=torch.uint8) if two else lo
+    lo = torch.empty((m, k), dtype=torch.int16 if words else torch.uint8)
+    hi = torch.empty((m, k), dtype=torch.uint8) if two and not words else lo
     lib.quantize_limbs(x.data_ptr(), FORMAT_CODES[fmt.name], m, k, e_r.data_ptr(), lo.data_ptr(),
-                       hi.data_ptr(), int(two))
+                       hi.data_ptr(), 2 if words else int(two))
     return lo, hi, e_r
 
 
+def uses_spans(act_bits: int, weights: NativeWeights, rows: int) -> bool:
+    """Whether linear() takes exact_linear_spans: 16-bit activations, 4-bit weights, and enough
+    rows to pay for expanding the weights once per forward (docs/PERFORMANCE.md)."""
+    return act_bits == 16 and weights.nibbles and rows >= SPAN_MIN_ROWS
+
+
 def accumulate(lo: torch.Tensor, hi: torch.Tensor, act_bits: int, weights: NativeWeights,
-               lib=None, rounding: tuple | None = None) -> torch.Tensor:
-    """T [M, Np] int64 (padded columns are 0) from the biased limbs; or, with `rounding` =
-    (e_r, emin, out_format), y [M, N] in out_format: T rounded in the kernel's registers, the
-    same rounding as round_rows."""
+               lib=None, rounding: tuple | None = None, spans: bool = False) -> torch.Tensor:
+    """T [M, Np] int64 (padded columns are 0) from the biased limbs (or, with `spans`, from
+    quantize's words through exact_linear_spans); or, with `rounding` = (e_r, emin,
+    out_format), y [M, N] in out_format: T rounded in the kernel's registers, the same rounding
+    as round_rows."""
     lib = lib or library()
     m = lo.shape[0]
     t = y = e_r = emin = None
@@ -145,12 +207,18 @@ def accumulate(lo: torch.Tensor, hi: torch.Tensor, act_bits: int, weights: Nativ
         y = torch.empty((m, weights.n), dtype=torch_dtype(fmt))
     else:
         t = torch.empty((m, weights.np), dtype=torch.int64)
-    lib.exact_linear_vnni(lo.data_ptr(), hi.data_ptr(), weights.w.data_ptr(),
-                          weights.wsum.data_ptr(), weights.c.data_ptr(),
-                          t.data_ptr() if t is not None else None, m, weights.k, weights.np,
-                          int(dataflow.act_limbs(act_bits) == 2), int(weights.nibbles),
-                          *(x.data_ptr() if x is not None else None for x in (y, e_r, emin)),
-                          weights.n, fmt.mant_bits, fmt.exp_bits)
+    out = (*(v.data_ptr() if v is not None else None for v in (y, e_r, emin)), weights.n,
+           fmt.mant_bits, fmt.exp_bits)
+    t_ptr = t.data_ptr() if t is not None else None
+    if spans:
+        f, rsh, ends = weights.spans
+        lib.exact_linear_spans(lo.data_ptr(), weights.w.data_ptr(), f.data_ptr(), rsh.data_ptr(),
+                               ends.data_ptr(), t_ptr, m, weights.k, weights.np, *out)
+    else:
+        lib.exact_linear_vnni(lo.data_ptr(), hi.data_ptr(), weights.w.data_ptr(),
+                              weights.wsum.data_ptr(), weights.c.data_ptr(), t_ptr, m, weights.k,
+                              weights.np, int(dataflow.act_limbs(act_bits) == 2),
+                              int(weights.nibbles), *out)
     return y if rounding else t
 
 
@@ -169,8 +237,15 @@ def round_rows(t: torch.Tensor, n: int, e_r: torch.Tensor, emin: torch.Tensor,
 def linear(x: torch.Tensor, act_bits: int, weights: NativeWeights, emin: torch.Tensor,
            out_format: FloatFormat, lib=None) -> torch.Tensor:
     """The whole fast path for x [M, K]: y [M, N] in `out_format` (raises on non-finite x)."""
-    lo, hi, e_r = quantize(x, act_bits, lib)
-    return accumulate(lo, hi, act_bits, weights, lib, (e_r, emin, out_format))
+    spans = uses_spans(act_bits, weights, x.shape[0])
+    lo, hi, e_r = quantize(x, act_bits, lib, spans)
+    return accumulate(lo, hi, act_bits, weights, lib, (e_r, emin, out_format), spans)
+
+
+def span_order(qa: torch.Tensor) -> torch.Tensor:
+    """qa [M, K] as int16 in exact_linear_spans' order: in each 4 k, 0, 2, 1, 3."""
+    m, k = qa.shape
+    return qa.view(m, k // 4, 4)[:, :, [0, 2, 1, 3]].reshape(m, k).to(torch.int16).contiguous()
 
 
 def _self_check(lib) -> bool:
@@ -192,32 +267,42 @@ def _self_check(lib) -> bool:
             lo, hi, e_r = quantize(bits_to_tensor(bits, fmt), act_bits, lib)
             qa, want_e = quantize_activations(bits, fmt, act_bits)
             limbs = (dataflow.activation_limbs(qa, act_bits).to(torch.int16) + 128).to(torch.uint8)
+            words, _, _ = quantize(bits_to_tensor(bits, fmt), act_bits, lib, words=True)
             if not (torch.equal(e_r, want_e) and torch.equal(lo, limbs[0])
-                    and torch.equal(hi, limbs[-1])):
+                    and torch.equal(hi, limbs[-1]) and torch.equal(words, span_order(qa))):
                 return False
         qmax = 2 ** (act_bits - 1) - 1
-        for w_bits, m in ((4, 5), (4, 6), (4, 7), (8, 7)):  # both layouts, every tail of a tile
-            q = torch.randint(-(2 ** (w_bits - 1)), 2 ** (w_bits - 1), (37, 256), generator=g)
+        # both layouts, every tail of a tile; the last two: long spans of groups, then one
+        for w_bits, m, q_max, ms_max in ((4, 5, 8, 256), (4, 6, 8, 256), (4, 7, 8, 256),
+                                         (8, 7, 128, 256), (4, 9, 2, 8), (4, 3, 8, 256)):
+            q = torch.randint(-q_max, q_max, (37, 256), generator=g)
             q[0] = -(2 ** (w_bits - 1))
             qa = torch.randint(-qmax, qmax + 1, (m, 256), generator=g)
             qa[0] = -qmax
             limbs = dataflow.activation_limbs(qa, act_bits).to(torch.int16) + 128
             limbs = limbs.to(torch.uint8)
-            ms = torch.randint(-255, 256, (37, 8), generator=g, dtype=torch.int32)
+            ms = torch.randint(1 - ms_max, ms_max, (37, 8), generator=g, dtype=torch.int32)
+            ms[0] = 255 if q_max == 8 else ms[0]  # |q * ms| at its largest: one-group spans
             sh = torch.randint(0, 13, (37, 8), generator=g, dtype=torch.int32)
             weights = NativeWeights(q, ms, sh)
-            got = accumulate(limbs[0], limbs[-1], act_bits, weights, lib)[:, :37]
             p = (qa.view(m, 1, 8, 32) * q.view(1, 37, 8, 32)).sum(-1)
             want = ((p * ms.long()) << sh.long()).sum(-1)
-            if not torch.equal(got, want):
-                return False
             e_r, emin = torch.randint(-160, 10, (m,), generator=g), torch.randint(-9, 9, (37,),
                                                                                  generator=g)
-            for fmt in FORMATS.values():  # the rounding in the kernel's registers
-                y = accumulate(limbs[0], limbs[-1], act_bits, weights, lib, (e_r, emin, fmt))
-                if not torch.equal(float_bits(y), round_scaled_array(want, e_r[:, None]
-                                                                     + emin[None, :], fmt)):
+            kernels = [(limbs[0], limbs[-1], False)]
+            if act_bits == 16 and w_bits == 4:
+                kernels.append((span_order(qa), None, True))
+            for lo, hi, spans in kernels:
+                got = accumulate(lo, hi if hi is not None else lo, act_bits, weights, lib,
+                                 spans=spans)
+                if not torch.equal(got[:, :37], want):
                     return False
+                for fmt in FORMATS.values():  # the rounding in the kernel's registers
+                    y = accumulate(lo, hi if hi is not None else lo, act_bits, weights, lib,
+                                   (e_r, emin, fmt), spans)
+                    if not torch.equal(float_bits(y), round_scaled_array(want, e_r[:, None]
+                                                                         + emin[None, :], fmt)):
+                        return False
     t = torch.randint(-(2**62), 2**62, (4, 67), generator=g) >> torch.randint(0, 62, (4, 67),
                                                                             generator=g)
     t[0, :8] = torch.tensor([0, 1, -1, 3, -3, 2**62, -(2**62), 5])
