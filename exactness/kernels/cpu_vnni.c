@@ -5,9 +5,9 @@
 // 16-bit activations against 4-bit weights from native.SPAN_MIN_ROWS rows on, exact_linear_spans
 // (further down: whole int16 activations, scales folded into s16 weights, spans of groups).
 //
-// exact_linear_vnni's accumulation, per group of 32: int8 dots with AVX-512 VNNI (vpdpbusd, u8 x s8 -> s32, 64
-// products per instruction, never saturating) on the activation limbs biased by +128 to make them
-// unsigned, corrected exactly once per group:
+// exact_linear_vnni's accumulation, per group of 32: int8 dots with AVX-512 VNNI (vpdpbusd,
+// u8 x s8 -> s32, 64 products per instruction, never saturating) on the activation limbs biased
+// by +128 to make them unsigned, corrected exactly once per group:
 //     D' = sum (limb + 128) * q, |D'| <= 32 * 255 * 128 < 2**31 (proofs: vnni-dot)
 //     P = 256 * D'_hi + (D'_lo - 32768 * sum_k q)  (two limbs: 16-bit activations)
 //     P = D'_lo - 128 * sum_k q                    (one limb)    (proofs: vnni-recombine)
@@ -203,12 +203,14 @@ void exact_linear_vnni(const uint8_t *lo, const uint8_t *hi, const uint8_t *w,
 
 // 16-bit activations against 4-bit weights, per span of groups (exact_linear_spans): the
 // activations whole, as int16 (quantize_limbs mode 2), against s16 weights with the scales folded
-// in, q * f, f = ms << (shift - base), expanded per block of 16 weight rows into a scratch
+// in, q * f with f = (ms << shift) >> base, base the largest power of two dividing every
+// ms << shift of the row's span; expanded per block of 16 weight rows into a scratch
 // [K/4][2][16][2] int16: for each 4-k step, the pairs (k0, k2) and (k1, k3) of every lane (lanes
 // in LANE_ROWS order, as above). vpdpwssd (s16 x s16, pairs summed into s32, wrapping) adds whole
-// spans of groups in int32: a span is certified when the weights load (native.SpanWeights) so that
-// 32767 * sum |q * f| < 2**31 bounds its sum, hence the wrapped int32 is exact (one group always
-// fits: proofs, span-group). At a span's end, T += sum << base in int64 (two shifts, no multiply).
+// spans of groups in int32: the spans are certified when the weights load (native.span_scales)
+// so that 32767 * sum |q * f| < 2**31 bounds every sum, hence the wrapped int32 is exact (a span
+// of one group always qualifies: proofs, span-fold and span-group). At a span's end,
+// T += sum << base in int64 (two shifts, no multiply): the same T as exact_linear_vnni's.
 // f [Np/16][G][16] int16 in lane order; rsh [Np/16][G][16] int8 = 32 - base in row order (read at
 // span ends); ends [Np/16][G] uint8: 1 where a span ends.
 ALWAYS_INLINE void expand(const uint8_t *wb, const int16_t *f, int16_t *s, int64_t K) {
@@ -235,6 +237,7 @@ ALWAYS_INLINE void expand(const uint8_t *wb, const int16_t *f, int16_t *s, int64
     }
 }
 
+// T for `rows` activation rows (words a, row stride K) against the expanded block s.
 ALWAYS_INLINE void span_tile(const int16_t *a, const int16_t *s, const int8_t *rsh,
                              const uint8_t *ends, Out o, int64_t n0, int64_t K, int64_t Np,
                              const int rows) {

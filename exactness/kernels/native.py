@@ -249,10 +249,11 @@ def span_order(qa: torch.Tensor) -> torch.Tensor:
 
 
 def _self_check(lib) -> bool:
-    """The compiled passes against their Python twins: quantization and limbs against
-    reference.quantize_activations and dataflow.activation_limbs, the accumulation against int64
-    arithmetic (the worst case and random limbs), the rounding against formats.round_scaled_array
-    (ties, subnormals, overflow), in every format."""
+    """The compiled passes against their Python twins: quantization, limbs and span-order words
+    against reference.quantize_activations and dataflow.activation_limbs, both accumulation
+    kernels against int64 arithmetic (the worst case, random data, long and one-group spans), the
+    rounding, fused and as a pass, against formats.round_scaled_array (ties, subnormals,
+    overflow), in every format."""
     from ..contract import FORMATS
     from ..formats import bits_to_tensor, round_scaled_array
 
@@ -282,7 +283,8 @@ def _self_check(lib) -> bool:
             limbs = dataflow.activation_limbs(qa, act_bits).to(torch.int16) + 128
             limbs = limbs.to(torch.uint8)
             ms = torch.randint(1 - ms_max, ms_max, (37, 8), generator=g, dtype=torch.int32)
-            ms[0] = 255 if q_max == 8 else ms[0]  # |q * ms| at its largest: one-group spans
+            if q_max == 8:
+                ms[0] = 255  # |q * ms| at its largest: one-group spans
             sh = torch.randint(0, 13, (37, 8), generator=g, dtype=torch.int32)
             weights = NativeWeights(q, ms, sh)
             p = (qa.view(m, 1, 8, 32) * q.view(1, 37, 8, 32)).sum(-1)
@@ -291,15 +293,14 @@ def _self_check(lib) -> bool:
                                                                                  generator=g)
             kernels = [(limbs[0], limbs[-1], False)]
             if act_bits == 16 and w_bits == 4:
-                kernels.append((span_order(qa), None, True))
+                words = span_order(qa)
+                kernels.append((words, words, True))
             for lo, hi, spans in kernels:
-                got = accumulate(lo, hi if hi is not None else lo, act_bits, weights, lib,
-                                 spans=spans)
+                got = accumulate(lo, hi, act_bits, weights, lib, spans=spans)
                 if not torch.equal(got[:, :37], want):
                     return False
                 for fmt in FORMATS.values():  # the rounding in the kernel's registers
-                    y = accumulate(lo, hi if hi is not None else lo, act_bits, weights, lib,
-                                   (e_r, emin, fmt), spans)
+                    y = accumulate(lo, hi, act_bits, weights, lib, (e_r, emin, fmt), spans)
                     if not torch.equal(float_bits(y), round_scaled_array(want, e_r[:, None]
                                                                          + emin[None, :], fmt)):
                         return False
