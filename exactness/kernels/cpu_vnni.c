@@ -25,9 +25,17 @@
 #include <string.h>
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
-// activation rows per weight load: 2 x 4 dot and 2 x 4 int64 registers (TILES below lists the
-// tails 1..3: change both together)
+// activation rows per weight load, in both kernels: 2 x 4 dot and 2 x 4 int64 registers
+// (BY_ROWS lists the tails 1..3: change both together)
 #define TILE_ROWS 4
+// CALL(R, ...) for the `rows` (1..TILE_ROWS) activation rows of a tile, R a compile-time constant
+#define BY_ROWS(rows, CALL, ...)                         \
+    switch (rows) {                                      \
+        case 1: CALL(1, __VA_ARGS__); break;             \
+        case 2: CALL(2, __VA_ARGS__); break;             \
+        case 3: CALL(3, __VA_ARGS__); break;             \
+        default: CALL(TILE_ROWS, __VA_ARGS__); break;    \
+    }
 
 static inline __m512i broadcast4(const uint8_t *p) {
     int32_t v;
@@ -174,13 +182,7 @@ static inline Out tile_out(int64_t *t, void *y, const int64_t *e_r, const int64_
 
 #define TILE(R, TWO, NIB) \
     tile(a_lo, a_hi, wb, wsum + b * 16, c + b * 16, o, b * 16, K, Np, R, TWO, NIB)
-#define TILES(TWO, NIB)                              \
-    switch (rows) {                                  \
-        case 1: TILE(1, TWO, NIB); break;            \
-        case 2: TILE(2, TWO, NIB); break;            \
-        case 3: TILE(3, TWO, NIB); break;            \
-        default: TILE(TILE_ROWS, TWO, NIB); break;   \
-    }
+#define TILES(TWO, NIB) BY_ROWS(rows, TILE, TWO, NIB)
 
 // T [M, Np] into t, or (y not NULL) the rounded output y [M, N] (see Out).
 void exact_linear_vnni(const uint8_t *lo, const uint8_t *hi, const uint8_t *w,
@@ -273,8 +275,8 @@ ALWAYS_INLINE void span_tile(const int16_t *a, const int16_t *s, const int8_t *r
     for (int i = 0; i < rows; i++) finish(o, i, n0, Np, even[i], odd[i]);
 }
 
-#define SPAN_TILE(R) \
-    span_tile(a + r * K, scratch, rsh + b * G * 16, ends + b * G, o, b * 16, K, Np, R)
+#define SPAN_TILE(R, S) \
+    span_tile(a + r * K, S, rsh + b * G * 16, ends + b * G, o, b * 16, K, Np, R)
 
 // T [M, Np] into t, or (y not NULL) the rounded output y [M, N] (see Out); w in the nibble layout.
 void exact_linear_spans(const int16_t *a, const uint8_t *w, const int16_t *f, const int8_t *rsh,
@@ -290,12 +292,8 @@ void exact_linear_spans(const int16_t *a, const uint8_t *w, const int16_t *f, co
             expand(w + b * K * 8, f + b * G * 16, scratch, K);
             for (int64_t r = 0; r < M; r += TILE_ROWS) {
                 const Out o = tile_out(t, y, e_r, emin, r, N, Np, mant, expo);
-                switch (M - r < TILE_ROWS ? M - r : TILE_ROWS) {
-                    case 1: SPAN_TILE(1); break;
-                    case 2: SPAN_TILE(2); break;
-                    case 3: SPAN_TILE(3); break;
-                    default: SPAN_TILE(TILE_ROWS); break;
-                }
+                const int64_t rows = M - r < TILE_ROWS ? M - r : TILE_ROWS;
+                BY_ROWS(rows, SPAN_TILE, scratch)
             }
         }
         free(scratch);

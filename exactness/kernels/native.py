@@ -2,9 +2,11 @@
 cached by source hash, loaded with ctypes, and used only where the CPU has AVX-512 VNNI and the
 compiled kernel passes its exactness self-check; otherwise the int8-GEMM path runs instead.
 
-One forward is two C passes: activations to biased int8 limbs (the row exponents e_r by the
-contract's integer rule on the row maxima, as reference.quantize_activations computes them), then
-the exact accumulation T, rounded once in registers and written straight into the output tensor.
+One forward is two C passes: the activations quantized (the row exponents e_r by the contract's
+integer rule on the row maxima, as reference.quantize_activations computes them) into biased int8
+limbs, or into int16 words for the span kernel (16-bit activations, 4-bit weights, from
+SPAN_MIN_ROWS rows on); then the exact accumulation T, rounded once in registers and written
+straight into the output tensor.
 """
 
 from __future__ import annotations
@@ -87,7 +89,8 @@ def load(source: str, check: bool = True):
 class NativeWeights:
     """Derived at load for cpu_vnni.c: the weights in blocks of 16 rows per vector, as 4-bit pairs
     when every weight fits 4 bits (else a byte each), and per group: the weight sums and the scale
-    factors ms << shift (0 on slow rows), int32 each."""
+    factors ms << shift (0 on slow rows), int32 each; the span kernel's scales (`spans`) are
+    derived from these when it first runs."""
 
     def __init__(self, q: torch.Tensor, mantissa: torch.Tensor, shift: torch.Tensor):
         n, k = q.shape
@@ -272,7 +275,7 @@ def _self_check(lib) -> bool:
             if not (torch.equal(e_r, want_e) and torch.equal(lo, limbs[0])
                     and torch.equal(hi, limbs[-1]) and torch.equal(words, span_order(qa))):
                 return False
-        qmax = 2 ** (act_bits - 1) - 1
+        qmax = act_qmax(act_bits)
         # both layouts, every tail of a tile; the last two: long spans of groups, then one
         for w_bits, m, q_max, ms_max in ((4, 5, 8, 256), (4, 6, 8, 256), (4, 7, 8, 256),
                                          (8, 7, 128, 256), (4, 9, 2, 8), (4, 3, 8, 256)):

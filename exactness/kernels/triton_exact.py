@@ -1,7 +1,7 @@
 """The GPU kernels, in Triton; on CPU they run under the interpreter (TRITON_INTERPRET=1).
 
 One forward is two launches:
-- `quantize_kernel`, one program per activation row: the row exponent e_r by the contract's
+- `quantize_kernel`, BLOCK_M activation rows per program: the row exponent e_r by the contract's
   integer rule (section 3) on the row maximum's bit pattern, then qa = RNE(x * 2**-e_r) by integer
   shifts of each value's significand, written as dataflow's int8 limbs;
 - `exact_group_kernel`, per output tile and per group of 32: the packed words unpacked to int8 in
