@@ -47,7 +47,8 @@ def max_safe_spread(k: int, w_bits: int, act_bits: int, acc_bits: int = COMBINE_
 MAX_WEIGHT_LIMBS = 3  # the CPU path folds scales into weights of at most 3 int8 limbs
 
 # The CPU span kernel (16-bit activations, 4-bit weights): weights q * f with the scale folded in,
-# f = (ms << shift) >> base, in SPAN_WEIGHT_BITS; whole spans of groups summed in DOT_ACC_BITS.
+# f = (ms << shift) >> base (base 0 in unshifted blocks), in SPAN_WEIGHT_BITS; whole spans of
+# groups (in unshifted blocks, each of a group's two chains) summed in DOT_ACC_BITS.
 SPAN_WEIGHT_BITS = 16
 
 
@@ -57,7 +58,8 @@ def span_fold_limit(w_bits: int = 4) -> int:
 
 
 def span_size_limit(act_bits: int = 16) -> int:
-    """The largest sum_g |f_g| * sum_k |q| of a span: times Qa, still a DOT_ACC_BITS value."""
+    """The largest sum_g |f_g| * sum_k |q| of a span (of a chain, in unshifted blocks): times Qa,
+    still a DOT_ACC_BITS value."""
     return (2 ** (DOT_ACC_BITS - 1) - 1) // act_qmax(act_bits)
 
 

@@ -260,6 +260,39 @@ def span_group(w_bits: int, a_bits: int, dot_bits: int) -> Obligation:
         w_bits=w_bits, a_bits=a_bits)
 
 
+def span_unshifted(a_bits: int, dot_bits: int) -> Obligation:
+    """cpu_vnni.c's span kernel on an unshifted block, one step of its induction over the chains
+    of every group: a chain's sums lo (even lane, started at 2**31) and hi (odd lane, from 0),
+    each certified to |.| <= Qa * dataflow.span_size_limit, wrap into int32 registers whose 64-bit
+    lane V (hi above lo) is added to A, and V >> 32 (arithmetic) to H, both mod 2**64. Claim: the
+    registers hold hi exactly and V = hi * 2**32 + lo + 2**31, and the invariant
+    A - (H << 32) - n * 2**31 == L (mod 2**64, L the sum of the lo's, n the chains so far) holds
+    for n + 1. So the kernel's A - ((H + G) << 32) after 2 G chains is the even rows' T mod 2**64,
+    and T itself, as |T| < 2**63 (combine); the odd rows' T is H."""
+    bound = act_qmax(a_bits) * dataflow.span_size_limit(a_bits)
+
+    def build():
+        lo, lo_ok = signed_var("lo", -bound, bound)
+        hi, hi_ok = signed_var("hi", -bound, bound)
+        acc, h_acc, low_sum, n = (z3.BitVec(name, 64) for name in ("A", "H", "L", "n"))
+        bias = z3.BitVecVal(2**31, 64)
+        invariant = acc - (h_acc << 32) - n * bias == low_sum
+        lo_reg = z3.Extract(dot_bits - 1, 0, z3.SignExt(64 - lo.size(), lo)) + 2**31  # wraps
+        hi_reg = z3.Extract(dot_bits - 1, 0, z3.SignExt(64 - hi.size(), hi))
+        v = z3.Concat(hi_reg, lo_reg)
+        new_acc, new_h = acc + v, h_acc + (v >> 32)  # vpaddq; vpsraq then vpaddq
+        new_low = low_sum + z3.SignExt(64 - lo.size(), lo)
+        post = z3.And(fits(lo, dot_bits), fits(hi, dot_bits),
+                      wide(v) == wide(hi) * 2**32 + wide(lo) + 2**31,
+                      new_acc - (new_h << 32) - (n + 1) * bias == new_low)
+        return z3.And(lo_ok, hi_ok, invariant), post, {"lo": lo, "hi": hi, "A": acc, "H": h_acc,
+                                                       "L": low_sum, "n": n}
+
+    return Obligation(f"span-unshifted-a{a_bits}", f"an unshifted block's biased chains "
+                      f"(int{dot_bits}) recombine exactly mod 2**64", build, a_bits=a_bits,
+                      acc_bits=dot_bits)
+
+
 def group_bound(w_bits: int, a_bits: int) -> Obligation:
     """The closed form (A2Q-style) |P| <= 32 * 2**(bw-1) * Qa: never exceeded, and attained."""
     qmax, bound = act_qmax(a_bits), 2 ** (w_bits - 1) * act_qmax(a_bits)
@@ -383,7 +416,8 @@ def for_config(w_bits: int, a_bits: int, k: int, acc_bits: int | None = None,
         obligations.append(group_recombine(w_bits, a_bits, dot))
     obligations.append(vnni_recombine(w_bits, a_bits, dot))
     if (w_bits, a_bits) == (4, 16):  # the span kernel's configuration
-        obligations += [span_fold(w_bits), span_group(w_bits, a_bits, dot)]
+        obligations += [span_fold(w_bits), span_group(w_bits, a_bits, dot),
+                        span_unshifted(a_bits, dot)]
     obligations += [combine(w_bits, a_bits, k, acc_bits, spread), cpu_int_mm(k, dot),
                     vnni_scale_fold(w_bits, a_bits, k, spread),
                     cpu_combine(w_bits, a_bits, k, spread)]

@@ -86,21 +86,35 @@ def test_vectors_through_the_span_kernel():
 
 @needs_native
 def test_span_kernel_at_the_int32_edge():
-    """Every weight -8 and every activation +Qa: a group's folded sum is 32 * 32767 * 8 * 255,
-    just under 2**31 with f = 255, so no two such groups may share a span; with f = 1 they all
-    may."""
+    """Every weight -8 and every activation +Qa: every sum as large as its bound allows.
+    Scales 510 and 255 (c = 510, 255): unshifted blocks, where a chain of a 510 group sums
+    16 * 32767 * 8 * 510, just under 2**31 (both chains together would wrap). Scales 255 and one
+    1020 (c = 1020: a chain would wrap): spans in that block, one group each, as a group sums
+    32 * 32767 * 8 * 255, also just under 2**31. Scales 1.0 and one 2**12: f = 1, so groups
+    share spans until the wide one."""
     m, k, n = 4, 256, 20
     x = np.full((m, k), 0x46FFFE00, np.int64)  # fp32 32767.0: e_r = 0, qa = Qa
     q = np.full((n, k), -8, np.int64)
-    for scale in (0x437F, 0xC37F, 0x3F80):  # 255, -255, 1.0: f = 255, -255, 1
-        case = LinearCase(x, FLOAT32, q, pack_weights(q, 4), np.full((n, k // 32), scale),
-                          16, FLOAT32, 4)
+    alternating = np.tile([0x43FF, 0x437F], (n, k // 64))  # 510, 255
+    for scales, unshifted, one_group_spans in (
+            (alternating, [1, 1], True), (alternating | 0x8000, [1, 1], True),  # and negated
+            (one_wide_group(n, k, 0x437F, 0x447F), [0, 1], True),  # 255, 1020
+            (one_wide_group(n, k, 0x3F80, 0x4580), [0, 1], False)):  # 1.0, 2**12
+        case = LinearCase(x, FLOAT32, q, pack_weights(q, 4), scales, 16, FLOAT32, 4)
         with every_batch_takes_spans:
             check_path(case, "cpu")
         layer = layer_for(case, "cpu")
         layer(bits_to_tensor(x, FLOAT32))
-        ends = layer._cpu_layout(native.NativeWeights).spans[2]
-        assert bool((ends == 1).all()) == (scale != 0x3F80)
+        _, _, ends, kinds = layer._cpu_layout(native.NativeWeights).spans
+        assert kinds.tolist() == unshifted
+        assert bool(ends[0].all()) == one_group_spans
+
+
+def one_wide_group(n: int, k: int, scale: int, wide: int) -> np.ndarray:
+    """Scale bits `scale` everywhere but `wide` in the first row's last group."""
+    scales = np.full((n, k // 32), scale)
+    scales[0, -1] = wide
+    return scales
 
 
 @needs_native

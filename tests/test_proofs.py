@@ -62,6 +62,13 @@ def test_spread_past_the_limit_is_refuted():
     assert prove(ob.combine(8, 16, 18432, 64, limit + 1)).verdict == "refuted"
 
 
+def test_an_unshifted_chain_past_its_bound_is_refuted(monkeypatch):
+    assert prove(ob.span_unshifted(16, dataflow.DOT_ACC_BITS)).verdict == "proved"
+    limit = dataflow.span_size_limit(16)
+    monkeypatch.setattr(dataflow, "span_size_limit", lambda act_bits=16: 2 * limit)
+    assert prove(ob.span_unshifted(16, dataflow.DOT_ACC_BITS)).verdict == "refuted"
+
+
 def test_rounding_proof_refutes_a_planted_rounding_bug():
     sticky = next(m for m in CATALOGUE if m.name == "sticky-bit-ignored")
     with applied(sticky):

@@ -205,16 +205,23 @@ void exact_linear_vnni(const uint8_t *lo, const uint8_t *hi, const uint8_t *w,
 
 // 16-bit activations against 4-bit weights, per span of groups (exact_linear_spans): the
 // activations whole, as int16 (quantize_limbs mode 2), against s16 weights with the scales folded
-// in, q * f with f = (ms << shift) >> base, base the largest power of two dividing every
-// ms << shift of the row's span; expanded per block of 16 weight rows into a scratch
-// [K/4][2][16][2] int16: for each 4-k step, the pairs (k0, k2) and (k1, k3) of every lane (lanes
-// in LANE_ROWS order, as above). vpdpwssd (s16 x s16, pairs summed into s32, wrapping) adds whole
-// spans of groups in int32: the spans are certified when the weights load (native.span_scales)
-// so that 32767 * sum |q * f| < 2**31 bounds every sum, hence the wrapped int32 is exact (a span
-// of one group always qualifies: proofs, span-fold and span-group). At a span's end,
-// T += sum << base in int64 (two shifts, no multiply): the same T as exact_linear_vnni's.
-// f [Np/16][G][16] int16 in lane order; rsh [Np/16][G][16] int8 = 32 - base in row order (read at
-// span ends); ends [Np/16][G] uint8: 1 where a span ends.
+// in, q * f, expanded per block of 16 weight rows into a scratch [K/4][2][16][2] int16: for each
+// 4-k step, the pairs (k0, k2) and (k1, k3) of every lane (lanes in LANE_ROWS order, as above).
+// vpdpwssd (s16 x s16, pairs summed into s32, wrapping) sums each row's pairs (k0, k2) and
+// (k1, k3) in two int32 chains. Each block of 16 weight rows is one of two kinds, certified when
+// the weights load (native.span_scales):
+// - unshifted (unshifted[b] = 1): f = c = ms << shift itself, and every chain of every group
+//   holds 32767 * |f| * sum |q| < 2**31. The even lanes' chains start at 2**31, so each 64-bit
+//   lane of a chain's sums reads V = hi * 2**32 + lo + 2**31 exactly, and per group, without a
+//   shift: A += V, H += V >> 32 (= hi); at the tile's end, rows 8..15 are H and rows 0..7 are
+//   A - ((H + G) << 32), the 2 G biases removed, exact mod 2**64 (proofs: span-unshifted).
+// - spans: f = c >> base, base the largest power of two dividing every c of the row's span, and
+//   spans of groups taken while 32767 * sum |q * f| < 2**31 bounds every sum, hence the wrapped
+//   int32 of both chains together is exact (a span of one group always qualifies: proofs,
+//   span-fold and span-group). At a span's end, T += sum << base in int64 (two shifts).
+// Both give the same T as exact_linear_vnni. f [Np/16][G][16] int16 in lane order; rsh
+// [Np/16][G][16] int8 = 32 - base in row order (read at span ends); ends [Np/16][G] uint8: 1 where
+// a span ends.
 ALWAYS_INLINE void expand(const uint8_t *wb, const int16_t *f, int16_t *s, int64_t K) {
     const __m512i flip = _mm512_set1_epi8((char)0x88);  // nibble q + 8 -> 4-bit two's complement
     for (int64_t g = 0; g < K / 32; g++) {
@@ -239,25 +246,44 @@ ALWAYS_INLINE void expand(const uint8_t *wb, const int16_t *f, int16_t *s, int64
     }
 }
 
-// T for `rows` activation rows (words a, row stride K) against the expanded block s.
+// d += the pairs of v times the two int16 at p, broadcast to every lane: vpdpwssd with the
+// broadcast embedded in its memory operand (GCC 12 loads it into a register of its own, one more
+// instruction per dot: 3% of the kernel's time, measured)
+#define DOT_BROADCAST(d, v, p) \
+    __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(d) : "v"(v), "m"(*(const int32_t *)(p)))
+
+// T for `rows` activation rows (words a, row stride K) against the expanded block s, of the kind
+// `unshifted` (a compile-time constant, as rows).
 ALWAYS_INLINE void span_tile(const int16_t *a, const int16_t *s, const int8_t *rsh,
                              const uint8_t *ends, Out o, int64_t n0, int64_t K, int64_t Np,
-                             const int rows) {
+                             const int rows, const int unshifted) {
     const __m512i high = _mm512_set1_epi64((int64_t)0xFFFFFFFF00000000ull);
+    // unshifted blocks: 2**31 in the even lanes' chains, 0 in the odd ones
+    const __m512i start = unshifted ? _mm512_set1_epi64(1ll << 31) : _mm512_setzero_si512();
     // two sums per row (pairs (k0, k2) and (k1, k3)): twice the independent dependency chains
     __m512i even[TILE_ROWS], odd[TILE_ROWS], d0[TILE_ROWS], d1[TILE_ROWS];
-    for (int i = 0; i < rows; i++) even[i] = odd[i] = d0[i] = d1[i] = _mm512_setzero_si512();
+    for (int i = 0; i < rows; i++) {
+        even[i] = odd[i] = _mm512_setzero_si512();
+        d0[i] = d1[i] = start;
+    }
     for (int64_t g = 0; g < K / 32; g++) {
         for (int j = 0; j < 8; j++) {
             const __m512i v0 = _mm512_loadu_si512(s + (g * 8 + j) * 64);
             const __m512i v1 = _mm512_loadu_si512(s + (g * 8 + j) * 64 + 32);
             for (int i = 0; i < rows; i++) {
-                const uint8_t *pair = (const uint8_t *)(a + i * K + g * 32 + j * 4);
-                d0[i] = _mm512_dpwssd_epi32(d0[i], v0, broadcast4(pair));      // k0, k2
-                d1[i] = _mm512_dpwssd_epi32(d1[i], v1, broadcast4(pair + 4));  // k1, k3
+                const int16_t *pair = a + i * K + g * 32 + j * 4;
+                DOT_BROADCAST(d0[i], v0, pair);      // k0, k2
+                DOT_BROADCAST(d1[i], v1, pair + 2);  // k1, k3
             }
         }
-        if (ends[g]) {
+        if (unshifted) {  // even: A, odd: H; each chain on its own (only it is bounded)
+            for (int i = 0; i < rows; i++) {
+                even[i] = _mm512_add_epi64(even[i], _mm512_add_epi64(d0[i], d1[i]));
+                odd[i] = _mm512_add_epi64(odd[i], _mm512_add_epi64(_mm512_srai_epi64(d0[i], 32),
+                                                                   _mm512_srai_epi64(d1[i], 32)));
+                d0[i] = d1[i] = start;
+            }
+        } else if (ends[g]) {
             const __m128i shifts = _mm_loadu_si128((const __m128i *)(rsh + g * 16));
             const __m512i r_even = _mm512_cvtepi8_epi64(shifts);  // rows 0..7
             const __m512i r_odd = _mm512_cvtepi8_epi64(_mm_srli_si128(shifts, 8));
@@ -272,15 +298,22 @@ ALWAYS_INLINE void span_tile(const int16_t *a, const int16_t *s, const int8_t *r
             }
         }
     }
+    if (unshifted) {  // rows 0..7: A - ((H + G) << 32), mod 2**64
+        const __m512i groups = _mm512_set1_epi64(K / 32);
+        for (int i = 0; i < rows; i++) {
+            even[i] = _mm512_sub_epi64(even[i],
+                                       _mm512_slli_epi64(_mm512_add_epi64(odd[i], groups), 32));
+        }
+    }
     for (int i = 0; i < rows; i++) finish(o, i, n0, Np, even[i], odd[i]);
 }
 
-#define SPAN_TILE(R, S) \
-    span_tile(a + r * K, S, rsh + b * G * 16, ends + b * G, o, b * 16, K, Np, R)
+#define SPAN_TILE(R, S, UNSHIFTED) \
+    span_tile(a + r * K, S, rsh + b * G * 16, ends + b * G, o, b * 16, K, Np, R, UNSHIFTED)
 
 // T [M, Np] into t, or (y not NULL) the rounded output y [M, N] (see Out); w in the nibble layout.
 void exact_linear_spans(const int16_t *a, const uint8_t *w, const int16_t *f, const int8_t *rsh,
-                        const uint8_t *ends, int64_t *t, int64_t M, int64_t K, int64_t Np,
+                        const uint8_t *ends, const uint8_t *unshifted, int64_t *t, int64_t M, int64_t K, int64_t Np,
                         void *y, const int64_t *e_r, const int64_t *emin, int64_t N, int mant,
                         int expo) {
     const int64_t G = K / 32;
@@ -293,7 +326,8 @@ void exact_linear_spans(const int16_t *a, const uint8_t *w, const int16_t *f, co
             for (int64_t r = 0; r < M; r += TILE_ROWS) {
                 const Out o = tile_out(t, y, e_r, emin, r, N, Np, mant, expo);
                 const int64_t rows = M - r < TILE_ROWS ? M - r : TILE_ROWS;
-                BY_ROWS(rows, SPAN_TILE, scratch)
+                if (unshifted[b]) BY_ROWS(rows, SPAN_TILE, scratch, 1)
+                else BY_ROWS(rows, SPAN_TILE, scratch, 0)
             }
         }
         free(scratch);

@@ -75,7 +75,7 @@ def load(source: str, check: bool = True):
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     signatures = {
         "exact_linear_vnni": [ptr] * 6 + [i64] * 3 + [i32] * 2 + [ptr] * 3 + [i64] + [i32] * 2,
-        "exact_linear_spans": [ptr] * 6 + [i64] * 3 + [ptr] * 3 + [i64] + [i32] * 2,
+        "exact_linear_spans": [ptr] * 7 + [i64] * 3 + [ptr] * 3 + [i64] + [i32] * 2,
         "row_exponents": [ptr, i32, i32, i64, i64, i64, ptr],
         "quantize_limbs": [ptr, i32, i64, i64, ptr, ptr, ptr, i32],
         "round_rows": [ptr, i64, ptr, ptr, i64, i64, i32, i32, ptr],
@@ -116,7 +116,7 @@ class NativeWeights:
         return sum(t.numel() * t.element_size() for t in (self.w, self.wsum, self.c, *spans))
 
     @functools.cached_property
-    def spans(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def spans(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """exact_linear_spans' scales (span_scales), built on first use."""
         return span_scales(self.c, self.w, self.k)
 
@@ -124,30 +124,41 @@ class NativeWeights:
 def span_scales(c: torch.Tensor, w: torch.Tensor, k: int):
     """exact_linear_spans' scales for 4-bit weights (NativeWeights' c and nibbles w, K = k):
     (f [Np/16, G, 16] int16 in lane order, rsh [Np/16, G, 16] int8 in row order, ends
-    [Np/16, G] uint8). Per block of 16 rows, groups are taken into a span while, for every
-    row, the folded weights fit s16 and the span's sum fits int32 whatever the activations:
-    with base the span's largest power of two dividing every c = ms << shift (so
-    f = c >> base is exact), max |f| <= dataflow.span_fold_limit (|q * f| fits s16) and
-    sum_g |f_g| * sum_k |q| <= dataflow.span_size_limit (times 32767, an int32). One group
-    always fits (proofs: span-fold, span-group)."""
+    [Np/16, G] uint8, unshifted [Np/16] uint8). Per block of 16 rows, one of two kinds (whatever
+    the activations, every sum below times 32767 is an int32, and |q * f| fits s16: |f| <=
+    dataflow.span_fold_limit):
+    - unshifted, where it holds: f = c = ms << shift itself, every group its own span, and
+      |f| * sum_k |q| <= dataflow.span_size_limit over each of a group's two chains (the k of
+      each 4-k step in the pairs (k0, k2) and (k1, k3): vpdpwssd's two sums per row);
+    - else spans: with base the span's largest power of two dividing every c (so f = c >> base
+      is exact), groups are taken into a span while, for every row, sum_g |f_g| * sum_k |q| <=
+      span_size_limit, both chains together. One group always fits (proofs: span-fold,
+      span-group)."""
     nb, groups = c.shape[1] // 16, k // GROUP_SIZE
     c = c.t().to(torch.int64).view(nb, 16, groups)  # row order
     pairs = w.view(nb, groups, 4, 16, 4).to(torch.int16)
     q_abs = ((pairs & 15) - 8).abs() + ((pairs >> 4) - 8).abs()  # both nibbles of a byte
-    lanes = q_abs.sum((2, 4)).transpose(1, 2)  # [Nb, 16 lanes, G]: sum_k |q| per group
-    q_sum = torch.empty_like(lanes)
-    q_sum[:, LANE_ROWS] = lanes  # row order
+
+    def by_row(lanes):  # [Nb, G, 16 lanes] -> [Nb, 16 rows, G]
+        rows = torch.empty_like(lanes.transpose(1, 2))
+        rows[:, LANE_ROWS] = lanes.transpose(1, 2)
+        return rows
+
+    q_sum = by_row(q_abs.sum((2, 4)))  # sum_k |q| per group
+    chain_sum = torch.maximum(by_row(q_abs[..., 0::2].sum((2, 4))),  # (k0, k2)
+                              by_row(q_abs[..., 1::2].sum((2, 4))))  # (k1, k3)
+    limit, fold_limit = dataflow.span_size_limit(16), dataflow.span_fold_limit(4)
+    unshifted = ((c.abs() <= fold_limit) & (c.abs() * chain_sum <= limit)).flatten(1).all(1)
     never = 1 << 40  # "no nonzero scale yet": divides nothing
     low_bit = torch.where(c != 0, c & -c, never)  # the largest power of two dividing c
     size = c.abs() * q_sum
-    limit, fold_limit = dataflow.span_size_limit(16), dataflow.span_fold_limit(4)
     ends = torch.zeros(nb, groups, dtype=torch.bool)
     divisor = torch.zeros(nb, 16, groups, dtype=torch.int64)  # 2**base at each span end
     span_div, span_size, span_max = low_bit[..., 0], size[..., 0], c[..., 0].abs()
     for g in range(1, groups):  # greedy: extend the span while every row's bound holds
         div = torch.minimum(span_div, low_bit[..., g])
         tot, top = span_size + size[..., g], torch.maximum(span_max, c[..., g].abs())
-        fits = ((tot // div <= limit) & (top // div <= fold_limit)).all(1)
+        fits = ((tot // div <= limit) & (top // div <= fold_limit)).all(1) & ~unshifted
         ends[~fits, g - 1] = True
         divisor[~fits, :, g - 1] = span_div[~fits]
         keep = fits[:, None]
@@ -156,7 +167,7 @@ def span_scales(c: torch.Tensor, w: torch.Tensor, k: int):
         span_max = torch.where(keep, top, c[..., g].abs())
     ends[:, -1] = True
     divisor[..., -1] = span_div
-    divisor = torch.where(divisor == never, 1, divisor)
+    divisor = torch.where((divisor == never) | unshifted[:, None, None], 1, divisor)
     # each group's span is the first end at or after it
     last = torch.where(ends, torch.arange(groups), groups)
     end_of = last.flip(1).cummin(1).values.flip(1)
@@ -164,7 +175,7 @@ def span_scales(c: torch.Tensor, w: torch.Tensor, k: int):
     f = c >> torch.gather(base, 2, end_of[:, None, :].expand(nb, 16, groups))
     return (f[:, LANE_ROWS].transpose(1, 2).to(torch.int16).contiguous(),
             (32 - base).transpose(1, 2).to(torch.int8).contiguous(),
-            ends.to(torch.uint8).contiguous())
+            ends.to(torch.uint8).contiguous(), unshifted.to(torch.uint8).contiguous())
 
 
 def quantize(x: torch.Tensor, act_bits: int, lib=None, words: bool = False):
@@ -214,9 +225,10 @@ def accumulate(lo: torch.Tensor, hi: torch.Tensor, act_bits: int, weights: Nativ
            fmt.mant_bits, fmt.exp_bits)
     t_ptr = t.data_ptr() if t is not None else None
     if spans:
-        f, rsh, ends = weights.spans
+        f, rsh, ends, unshifted = weights.spans
         lib.exact_linear_spans(lo.data_ptr(), weights.w.data_ptr(), f.data_ptr(), rsh.data_ptr(),
-                               ends.data_ptr(), t_ptr, m, weights.k, weights.np, *out)
+                               ends.data_ptr(), unshifted.data_ptr(), t_ptr, m, weights.k,
+                               weights.np, *out)
     else:
         lib.exact_linear_vnni(lo.data_ptr(), hi.data_ptr(), weights.w.data_ptr(),
                               weights.wsum.data_ptr(), weights.c.data_ptr(), t_ptr, m, weights.k,
@@ -254,7 +266,8 @@ def span_order(qa: torch.Tensor) -> torch.Tensor:
 def _self_check(lib) -> bool:
     """The compiled passes against their Python twins: quantization, limbs and span-order words
     against reference.quantize_activations and dataflow.activation_limbs, both accumulation
-    kernels against int64 arithmetic (the worst case, random data, long and one-group spans), the
+    kernels against int64 arithmetic (the worst case, random data, long and one-group spans,
+    unshifted blocks), the
     rounding, fused and as a pass, against formats.round_scaled_array (ties, subnormals,
     overflow), in every format."""
     from ..contract import FORMATS
@@ -276,9 +289,11 @@ def _self_check(lib) -> bool:
                     and torch.equal(hi, limbs[-1]) and torch.equal(words, span_order(qa))):
                 return False
         qmax = act_qmax(act_bits)
-        # both layouts, every tail of a tile; the last two: long spans of groups, then one
-        for w_bits, m, q_max, ms_max in ((4, 5, 8, 256), (4, 6, 8, 256), (4, 7, 8, 256),
-                                         (8, 7, 128, 256), (4, 9, 2, 8), (4, 3, 8, 256)):
+        # both layouts, every tail of a tile; the last three: long spans of groups, one-group
+        # spans, unshifted blocks (shifts 0 and 1 only)
+        for w_bits, m, q_max, ms_max, sh_max in (
+                (4, 5, 8, 256, 12), (4, 6, 8, 256, 12), (4, 7, 8, 256, 12), (8, 7, 128, 256, 12),
+                (4, 9, 2, 8, 12), (4, 3, 8, 256, 12), (4, 5, 8, 256, 1)):
             q = torch.randint(-q_max, q_max, (37, 256), generator=g)
             q[0] = -(2 ** (w_bits - 1))
             qa = torch.randint(-qmax, qmax + 1, (m, 256), generator=g)
@@ -288,7 +303,7 @@ def _self_check(lib) -> bool:
             ms = torch.randint(1 - ms_max, ms_max, (37, 8), generator=g, dtype=torch.int32)
             if q_max == 8:
                 ms[0] = 255  # |q * ms| at its largest: one-group spans
-            sh = torch.randint(0, 13, (37, 8), generator=g, dtype=torch.int32)
+            sh = torch.randint(0, sh_max + 1, (37, 8), generator=g, dtype=torch.int32)
             weights = NativeWeights(q, ms, sh)
             p = (qa.view(m, 1, 8, 32) * q.view(1, 37, 8, 32)).sum(-1)
             want = ((p * ms.long()) << sh.long()).sum(-1)
