@@ -1,7 +1,7 @@
 """`make bench`: the exact layer against the bf16 matmul a user would otherwise run, side by side.
 
-For each Kimi shape and batch M, both are timed in the same process, interleaved, median of
-repeats; the table reports the ratio exact / bf16 (<= 1.0 means the exact path is no slower).
+For each Kimi shape and batch M, both are timed in the same process, alternating call by call,
+median of repeats; the table reports the ratio exact / bf16 (<= 1.0 means the exact path is no slower).
 The baseline is torch's bf16 matmul on a weight dequantized once, ahead of time, to bf16.
 Memory: the layer's bytes (checkpoint buffers + derived tensors) against the packed bytes.
 """
@@ -38,21 +38,25 @@ def dequantized_bf16(layer: PackedInt4Linear) -> torch.Tensor:
     return dequantized(layer, torch.bfloat16)
 
 
-def timed(fn, repeats: int) -> float:
-    fn()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def side_by_side(fns, repeats: int) -> list[float]:
+    """The median time of each of `fns`, called in turn `repeats` times (after one warm-up
+    call each): alternating call by call, both see the same machine, drift and noise included."""
+    samples = [[] for _ in fns]
+    for fn in fns:
         fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+    for _ in range(repeats):
+        for fn, times in zip(fns, samples):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+    return [statistics.median(times) for times in samples]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 128])
     parser.add_argument("--act-bits", type=int, nargs="+", default=[16, 8])
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--out", default="reports/bench.md")
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -68,11 +72,8 @@ def main() -> int:
             w = dequantized_bf16(layer)
             for m in args.m:
                 x = torch.randn(m, k).bfloat16()
-                exact, bf16 = 0.0, 0.0
-                for _ in range(2):  # interleave the two, twice, against drift
-                    exact += timed(lambda: layer(x), args.repeats)
-                    bf16 += timed(lambda: x @ w.t(), args.repeats)
-                line = (f"| {name} | {act_bits} | {m} | {exact / 2e-3:.2f} | {bf16 / 2e-3:.2f} | "
+                exact, bf16 = side_by_side([lambda: layer(x), lambda: x @ w.t()], args.repeats)
+                line = (f"| {name} | {act_bits} | {m} | {exact * 1e3:.2f} | {bf16 * 1e3:.2f} | "
                         f"{exact / bf16:.2f} |")
                 lines.append(line)
                 print(line, flush=True)
