@@ -1,7 +1,7 @@
 """`make bench`: the exact layer against the bf16 matmul a user would otherwise run, side by side.
 
 For each Kimi shape and batch M, both are timed in the same process, alternating call by call,
-median of repeats; the table reports the ratio exact / bf16 (<= 1.0 means the exact path is no slower).
+median of repeats; the table reports the ratio exact / bf16 (<= 1.0: the exact path is no slower).
 The baseline is torch's bf16 matmul on a weight dequantized once, ahead of time, to bf16.
 Memory: the layer's bytes (checkpoint buffers + derived tensors) against the packed bytes.
 """
@@ -45,7 +45,7 @@ def side_by_side(fns, repeats: int) -> list[float]:
     for fn in fns:
         fn()
     for _ in range(repeats):
-        for fn, times in zip(fns, samples):
+        for fn, times in zip(fns, samples, strict=True):
             start = time.perf_counter()
             fn()
             times.append(time.perf_counter() - start)
