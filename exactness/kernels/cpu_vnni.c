@@ -3,7 +3,8 @@
 // rounding as a pass of its own, for the self-check). The integers are dataflow.py's. Two
 // accumulation kernels: exact_linear_vnni (below: int8 limbs, any weights, any batch) and, for
 // 16-bit activations against 4-bit weights from native.SPAN_MIN_ROWS rows on, exact_linear_spans
-// (further down: whole int16 activations, scales folded into s16 weights, spans of groups).
+// (further down: whole int16 activations, scales folded into s16 weights, blocks of 16 weight rows
+// combined per group without shifts, or per span of groups).
 //
 // exact_linear_vnni's accumulation, per group of 32: int8 dots with AVX-512 VNNI (vpdpbusd,
 // u8 x s8 -> s32, 64 products per instruction, never saturating) on the activation limbs biased
@@ -313,9 +314,9 @@ ALWAYS_INLINE void span_tile(const int16_t *a, const int16_t *s, const int8_t *r
 
 // T [M, Np] into t, or (y not NULL) the rounded output y [M, N] (see Out); w in the nibble layout.
 void exact_linear_spans(const int16_t *a, const uint8_t *w, const int16_t *f, const int8_t *rsh,
-                        const uint8_t *ends, const uint8_t *unshifted, int64_t *t, int64_t M, int64_t K, int64_t Np,
-                        void *y, const int64_t *e_r, const int64_t *emin, int64_t N, int mant,
-                        int expo) {
+                        const uint8_t *ends, const uint8_t *unshifted, int64_t *t, int64_t M,
+                        int64_t K, int64_t Np, void *y, const int64_t *e_r, const int64_t *emin,
+                        int64_t N, int mant, int expo) {
     const int64_t G = K / 32;
 #pragma omp parallel
     {
