@@ -1,6 +1,8 @@
 """GPU check, in one run: bit-exactness of the Triton kernel on CUDA against the reference, then
-kernel vs torch bf16 matmul timings (CUDA events, median), as ratios. Prints a table; exit 1 on
-any differing bit."""
+kernel vs torch bf16 matmul timings (CUDA events, median), as ratios, then the group kernel's
+other tiles and warp counts at M = 128 and 4096 (same bits, their times), so that one run on a
+lent GPU also says which launch to make the default. Prints tables; exit 1 on any differing
+bit."""
 
 from __future__ import annotations
 
@@ -54,7 +56,50 @@ def main() -> int:
             x = torch.randn(m, k, device="cuda").bfloat16()
             exact, bf16 = cuda_ms(lambda: layer(x)), cuda_ms(lambda: x @ w.t())
             print(f"| {k}->{n} | {m} | {exact:.3f} | {bf16:.3f} | {bf16 / exact:.2f} |")
+    bad += tiles()
     return 1 if bad else 0
+
+
+def tiles(shapes=((7168, 2048), (2048, 7168)), batches=(128, 4096), device="cuda",
+          timer=None) -> int:
+    """The group kernel alone at other tiles: bits against the default launch, and times (the
+    quantize kernel's time apart). Returns how many launches gave other bits. (The suite runs it
+    small under the interpreter: tests/test_modules.py.)"""
+    from bench.bench_forward import dequantized_bf16, kimi_layer
+    from exactness.kernels import triton_exact
+
+    timer = timer or cuda_ms
+    bad = 0
+    print("| shape | M | BLOCK_M x BLOCK_N, warps | group kernel ms | bf16 ms | ratio bf16/group |")
+    for k, n in shapes:
+        layer = kimi_layer(k, n, 16)
+        w = dequantized_bf16(layer).to(device)
+        layer = layer.to(device)
+        layer.backend = "triton"
+        layer(torch.zeros(1, k, device=device).bfloat16())  # derives the certificate
+        cert = layer._certificate
+        args = (layer.weight_packed, cert.mantissa.to(device), cert.shift.to(device),
+                cert.emin.to(device), 4, torch.bfloat16)
+        for m in batches:
+            x = torch.randn(m, k, device=device).bfloat16()
+            limbs, e_r = triton_exact.quantize(x, 16)
+            print(f"| {k}->{n} | {m} | quantize_kernel | "
+                  f"{timer(lambda: triton_exact.quantize(x, 16)):.3f} | | |")
+            want = triton_exact.linear(limbs, e_r, *args)
+            bf16 = timer(lambda: x @ w.t())
+            for bm, bn, warps in triton_exact.TUNING_TILES:
+                try:
+                    y = triton_exact.linear(limbs, e_r, *args, bm, bn, warps)
+                    same = bool((y.view(torch.int16) == want.view(torch.int16)).all())
+                    ms = timer(lambda: triton_exact.linear(limbs, e_r, *args, bm, bn, warps))
+                except Exception as error:  # a launch that does not compile: say so, go on
+                    print(f"| {k}->{n} | {m} | {bm} x {bn}, {warps} | failed: "
+                          f"{type(error).__name__}: {str(error)[:80]} | | |")
+                    continue
+                bad += not same
+                print(f"| {k}->{n} | {m} | {bm} x {bn}, {warps} | {ms:.3f}"
+                      f"{'' if same else ' DIFFERENT BITS'} | {bf16:.3f} | {bf16 / ms:.2f} |")
+    return bad
 
 
 if __name__ == "__main__":

@@ -149,6 +149,17 @@ def test_triton_path_matches_reference(case):
     check_path(case, "triton")
 
 
+@needs_triton
+def test_the_gpu_checks_tile_table_runs(capsys):
+    """bench/gpu_check.py's tile table, small and under the interpreter (a device run is scarce,
+    so the script it runs is run here first): every tile of triton_exact.TUNING_TILES, with tails
+    both ways, gives the default launch's bits."""
+    from bench.gpu_check import tiles
+
+    assert tiles(shapes=((64, 20),), batches=(19,), device="cpu", timer=lambda fn: 0.1) == 0
+    assert "DIFFERENT" not in capsys.readouterr().out
+
+
 @given(final_rounding_near_ties())
 def test_final_rounding_near_ties(case):
     """One rounding from the exact integer: rounding through fp32 first would round twice."""

@@ -8,7 +8,7 @@ an integer tensor-core MMA (`mma.sync ... .s32.s8.s8.s32`). A compile error, or 
 without that MMA, is a failure; registers and spills are reported from ptxas.
 
 The interpreter replaces the kernels, so this runs in a process without TRITON_INTERPRET:
-    python -m exactness.kernels.triton_aot [--arch 80 90] [--quick] [--json]
+    python -m exactness.kernels.triton_aot [--arch 80 90] [--quick | --tiles] [--json]
 """
 
 from __future__ import annotations
@@ -26,7 +26,10 @@ from ..contract import FORMATS
 from . import triton_exact
 
 ARCHS = (80, 90)  # A100, H100/H200
-INT_MMA = re.compile(r"mma\.sync\.aligned\.\S*\.s32\.s8\.s8\.s32")
+# an int8 x int8 -> int32 tensor-core MMA: mma.sync (sm_80 on), or Hopper's warpgroup wgmma,
+# which Triton takes on sm_90 for tiles of 64 rows and more
+INT_MMA = re.compile(r"(?:mma\.sync|wgmma\.mma_async\.sync)\.aligned\.\S*\.s32\.s8\.s8(?:\.s32)?")
+MMA_SHAPE = re.compile(r"m\d+n\d+k\d+")
 PTXAS_USAGE = re.compile(r"Used (\d+) registers")
 PTXAS_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
 
@@ -94,7 +97,7 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
 
 
 def compile_kernel(fn, types: dict, constants: dict, arch: int, name: str = "",
-                   config: str = "", needs_int_mma: bool = False) -> Compiled:
+                   config: str = "", needs_int_mma: bool = False, num_warps: int = 4) -> Compiled:
     """`fn` (a @triton.jit function) compiled for sm_`arch`; never raises for a bad kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -109,7 +112,8 @@ def compile_kernel(fn, types: dict, constants: dict, arch: int, name: str = "",
     source = ASTSource(fn, signature,
                        constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
     try:
-        kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32))
+        kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32),
+                                options={"num_warps": num_warps})
     except Exception as error:  # noqa: BLE001 - any compiler error is this kernel's verdict
         record.error = f"{type(error).__name__}: {str(error).strip()[-1500:]}"
         return record
@@ -123,15 +127,33 @@ def compile_kernel(fn, types: dict, constants: dict, arch: int, name: str = "",
     return record
 
 
-def compile_all(archs=ARCHS, quick: bool = False) -> list[Compiled]:
+def tuning_configurations() -> list[tuple[str, str, int, dict, int]]:
+    """The group kernel at triton_exact.TUNING_TILES (bf16 out, 4-bit weights, two limbs: the
+    Kimi case), as configurations plus num_warps."""
+    bf16 = FORMATS["bfloat16"]
+    return [("exact_group_kernel", f"{bm} x {bn}, {warps} warps", bf16.width,
+             triton_exact.group_constants(4, True, bf16, bn, bm), warps)
+            for bm, bn, warps in triton_exact.TUNING_TILES]
+
+
+def compile_all(archs=ARCHS, quick: bool = False, tiles: bool = False) -> list[Compiled]:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences 3.9's notice; no floats
+    configs = (tuning_configurations() if tiles
+               else [(*c, 4) for c in configurations(quick)])
     records = []
     for arch in archs:
-        for kernel, config, width, constants in configurations(quick):
+        for kernel, config, width, constants, warps in configs:
             records.append(compile_kernel(getattr(triton_exact, kernel),
                                           _argument_types(kernel, width), constants, arch,
-                                          kernel, config, kernel == "exact_group_kernel"))
+                                          kernel, config, kernel == "exact_group_kernel", warps))
     return records
+
+
+def mma_name(instruction: str) -> str:
+    """An MMA instruction in brief: its shape, and `wgmma` for the warpgroup one."""
+    shape = MMA_SHAPE.search(instruction)
+    kind = "wgmma " if instruction.startswith("wgmma") else ""
+    return kind + (shape.group(0) if shape else "?")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,11 +164,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="compute capabilities (80: A100, 90: H100/H200)")
     parser.add_argument("--quick", action="store_true", help="bf16, act_bits 8/16, int4 only")
     parser.add_argument("--json", action="store_true", help="the records as JSON on stdout")
+    parser.add_argument("--tiles", action="store_true",
+                        help="instead: the group kernel at the tiles bench/gpu_check.py times")
     args = parser.parse_args(argv)
     if not triton_exact.available():
         print("triton is not installed", file=sys.stderr)
         return 2
-    records = compile_all(args.arch, args.quick)
+    records = compile_all(args.arch, args.quick, args.tiles)
     if args.json:
         print(json.dumps([asdict(r) for r in records]))
     else:
@@ -156,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in records:
             verdict = "compiled" if r.ok else f"FAILED: {r.error}"
             print(f"| {r.kernel} | {r.config} | {r.arch} | {verdict} | "
-                  f"{', '.join(m.split('.')[3] for m in r.int_mma) or '-'} | {r.registers} | "
+                  f"{', '.join(mma_name(m) for m in r.int_mma) or '-'} | {r.registers} | "
                   f"{r.spill_bytes} | {r.shared_bytes} |")
     return 0 if records and all(r.ok for r in records) else 1
 

@@ -34,6 +34,12 @@ GPU_BLOCK_N, GPU_BLOCK_K = 64, 256
 BLOCK_M = 16
 BLOCK_N = 512 if INTERPRETED else GPU_BLOCK_N
 BLOCK_K = 1024 if INTERPRETED else GPU_BLOCK_K  # activations per row and step of the quantization
+# (BLOCK_M, BLOCK_N, num_warps) of exact_group_kernel that bench/gpu_check.py times beside the
+# default, on a GPU; `python -m exactness.kernels.triton_aot --tiles` compiles them without one
+# (the default first; the rest spill at most 20 bytes: 64 x 128 with 4 warps or 128 x 128 spill
+# ~3 KiB, their int64 accumulators too many for the registers)
+TUNING_TILES = ((16, 64, 4), (32, 64, 4), (32, 128, 4), (64, 64, 8), (128, 32, 8), (128, 64, 8),
+                (64, 128, 8))
 
 
 def available() -> bool:
@@ -203,11 +209,12 @@ def quantize_constants(fmt, act_bits: int, block_k: int = BLOCK_K) -> dict:
                 BLOCK_M=BLOCK_M, BLOCK_K=block_k)
 
 
-def group_constants(w_bits: int, two_limbs: bool, out, block_n: int = BLOCK_N) -> dict:
+def group_constants(w_bits: int, two_limbs: bool, out, block_n: int = BLOCK_N,
+                    block_m: int = BLOCK_M) -> dict:
     """exact_group_kernel's compile-time constants, output in `out` (a FloatFormat)."""
     return dict(W_BITS=w_bits, TWO_LIMBS=two_limbs, LIMB_OFFSET=dataflow.LIMB_OFFSET,
                 DOT_ACC=_INT[dataflow.DOT_ACC_BITS], COMBINE_ACC=_INT[dataflow.COMBINE_ACC_BITS],
-                OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits, BLOCK_M=BLOCK_M, BLOCK_N=block_n)
+                OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits, BLOCK_M=block_m, BLOCK_N=block_n)
 
 
 def quantize(x: torch.Tensor, act_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,20 +232,22 @@ def quantize(x: torch.Tensor, act_bits: int) -> tuple[torch.Tensor, torch.Tensor
 
 def linear(limbs: torch.Tensor, e_r: torch.Tensor, weight_packed: torch.Tensor,
            mantissa: torch.Tensor, shift: torch.Tensor, emin: torch.Tensor, w_bits: int,
-           out_dtype: torch.dtype) -> torch.Tensor:
+           out_dtype: torch.dtype, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
+           num_warps: int = 4) -> torch.Tensor:
     """y [M, N] of `out_dtype` from activation limbs [L, M, K] int8, their row exponents and the
     certified scale parts (`mantissa`, `shift` int32 [N, G], zero for rows the certificate sends
-    elsewhere; `emin` [N])."""
+    elsewhere; `emin` [N]). The tile (block_m x block_n outputs per program, powers of two, at
+    least 16) and num_warps change the speed, never the bits (bench/gpu_check.py compares them)."""
     if triton is None:
         raise RuntimeError("the Triton path needs the triton package (pip install triton)")
     n_limbs, m, k = limbs.shape
     n = weight_packed.shape[0]
     out = float_format(out_dtype)
     y = torch.empty((m, n), dtype=out_dtype, device=limbs.device)
-    grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, BLOCK_N))
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     exact_group_kernel[grid](
         limbs, weight_packed, mantissa, shift, e_r, emin.to(torch.int64), y.view(_BITS[out.width]),
         m, n, k // GROUP_SIZE,
         limbs.stride(0), limbs.stride(1), weight_packed.stride(0), mantissa.stride(0), y.stride(0),
-        **group_constants(w_bits, n_limbs == 2, out))
+        **group_constants(w_bits, n_limbs == 2, out, block_n, block_m), num_warps=num_warps)
     return y
