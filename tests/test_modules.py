@@ -194,8 +194,9 @@ def kimi_cases(draw, act_bits: int, path: str):
                       BFLOAT16)
 
 
-@pytest.mark.parametrize("act_bits", [4, 8, 16])
-@pytest.mark.parametrize("path", LAYER_PATHS)
+@pytest.mark.parametrize(("path", "act_bits"), [(path, act_bits) for path in LAYER_PATHS
+                                                 for act_bits in (4, 8, 16)
+                                                 if (path, act_bits) != ("triton", 16)])
 def test_full_kimi_sizes(path, act_bits):
     @settings(max_examples=1, derandomize=True, database=None)
     @given(kimi_cases(act_bits, path))
@@ -207,6 +208,8 @@ def test_full_kimi_sizes(path, act_bits):
 
 @needs_triton
 def test_full_kimi_size_triton_act16():
+    """test_full_kimi_sizes' Triton case with 16-bit activations, under a name the mutation
+    catalogue can call (its parametrization leaves the case to this test)."""
     test_full_kimi_sizes("triton", 16)
 
 
