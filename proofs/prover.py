@@ -95,6 +95,10 @@ def prove(o: ob.Obligation, timeout_s: float = 60.0, cache: dict | None = None) 
 _JOBS: list = []  # (obligation, timeout, cache), inherited by the forked workers
 
 
+def _indexed_job(i: int) -> tuple[int, Verdict]:
+    return i, _prove_job(i)
+
+
 def _prove_job(i: int) -> Verdict:
     o, timeout, cache = _JOBS[i]
     v = prove(o, timeout, cache)
@@ -204,12 +208,19 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     global _JOBS
     _JOBS = [(o, args.timeout, cache) for o in catalogue(args)]
+    # the slow ones first (the rounding proofs, fp32's the slowest, last in the catalogue), so
+    # that the processes finish together; rows still print in catalogue order
+    order = sorted(range(len(_JOBS)), key=lambda i: (not _JOBS[i][0].tactic, -i))
+    done: dict[int, Verdict] = {}
+    printed = 0
     with multiprocessing.get_context("fork").Pool(args.jobs) as pool:
-        verdicts = []
-        for v in pool.imap(_prove_job, range(len(_JOBS))):
-            verdicts.append(v)
-            if not args.json:
-                print(_row(v), flush=True)
+        for i, v in pool.imap_unordered(_indexed_job, order):
+            done[i] = v
+            while printed in done:  # every row as soon as those before it are in
+                if not args.json:
+                    print(_row(done[printed]), flush=True)
+                printed += 1
+    verdicts = [done[i] for i in range(len(_JOBS))]
     total = time.perf_counter() - start
     if cache is not None:
         for v in verdicts:
