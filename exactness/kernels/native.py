@@ -267,9 +267,8 @@ def _self_check(lib) -> bool:
     """The compiled passes against their Python twins: quantization, limbs and span-order words
     against reference.quantize_activations and dataflow.activation_limbs, both accumulation
     kernels against int64 arithmetic (the worst case, random data, long and one-group spans,
-    unshifted blocks), the
-    rounding, fused and as a pass, against formats.round_scaled_array (ties, subnormals,
-    overflow), in every format."""
+    unshifted blocks), the rounding, fused and as a pass, against formats.round_scaled_array
+    (ties, subnormals, overflow), in every format."""
     from ..contract import FORMATS
     from ..formats import bits_to_tensor, round_scaled_array
 

@@ -4,8 +4,10 @@ The suite runs the kernels under the interpreter, which executes them with numpy
 the compiler's: an int64 constant, a shift or a dot that the compiler types or lowers differently
 would pass there and break on a GPU. So every configuration the layer launches is compiled here
 for real targets down to PTX and cubin (Triton's bundled ptxas), and each int8 dot must lower to
-an integer tensor-core MMA (`mma.sync ... .s32.s8.s8.s32`). A compile error, or a group kernel
-without that MMA, is a failure; registers and spills are reported from ptxas.
+an integer tensor-core MMA (`mma.sync ... .s32.s8.s8.s32`, or on sm_90 from 64-row tiles on
+`wgmma ... .s32.s8.s8`). A compile error, or a group kernel without that MMA, is a failure;
+registers and spills are reported from ptxas. `--tiles` compiles the tiles bench/gpu_check.py
+times instead of the layer's launches.
 
 The interpreter replaces the kernels, so this runs in a process without TRITON_INTERPRET:
     python -m exactness.kernels.triton_aot [--arch 80 90] [--quick | --tiles] [--json]
