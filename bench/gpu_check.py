@@ -31,6 +31,18 @@ def cuda_ms(fn, repeats=50) -> float:
     return float(np.median(times))
 
 
+def kimi_on(k: int, n: int, device: str):
+    """bench_forward's Kimi layer (16-bit activations) on `device`, running the Triton kernel,
+    and its bf16 weight there."""
+    from bench.bench_forward import dequantized_bf16, kimi_layer
+
+    layer = kimi_layer(k, n, 16)
+    w = dequantized_bf16(layer).to(device)
+    layer = layer.to(device)
+    layer.backend = "triton"
+    return layer, w
+
+
 def main() -> int:
     assert torch.cuda.is_available(), "no CUDA device"
     bad = 0
@@ -44,14 +56,9 @@ def main() -> int:
                           0x3C00 + rng.integers(0, 256, (n, k // 32)), act_bits, BFLOAT16)
         bad += int(not (run(case, "triton") == run(case, "reference")).all())
     print(f"bit-exactness: {'OK' if bad == 0 else f'{bad} cases differ'}")
-    from bench.bench_forward import dequantized_bf16, kimi_layer
-
     print("| shape | M | exact ms | bf16 ms | ratio bf16/exact (speed-up) |")
     for k, n in ((7168, 2048), (2048, 7168)):
-        layer = kimi_layer(k, n, 16)
-        w = dequantized_bf16(layer).cuda()
-        layer = layer.cuda()
-        layer.backend = "auto"
+        layer, w = kimi_on(k, n, "cuda")
         for m in (1, 16, 128, 4096):
             x = torch.randn(m, k, device="cuda").bfloat16()
             exact, bf16 = cuda_ms(lambda: layer(x)), cuda_ms(lambda: x @ w.t())
@@ -65,17 +72,13 @@ def tiles(shapes=((7168, 2048), (2048, 7168)), batches=(128, 4096), device="cuda
     """The group kernel alone at other tiles: bits against the default launch, and times (the
     quantize kernel's time apart). Returns how many launches gave other bits. (The suite runs it
     small under the interpreter: tests/test_modules.py.)"""
-    from bench.bench_forward import dequantized_bf16, kimi_layer
     from exactness.kernels import triton_exact
 
     timer = timer or cuda_ms
     bad = 0
     print("| shape | M | BLOCK_M x BLOCK_N, warps | group kernel ms | bf16 ms | ratio bf16/group |")
     for k, n in shapes:
-        layer = kimi_layer(k, n, 16)
-        w = dequantized_bf16(layer).to(device)
-        layer = layer.to(device)
-        layer.backend = "triton"
+        layer, w = kimi_on(k, n, device)
         layer(torch.zeros(1, k, device=device).bfloat16())  # derives the certificate
         cert = layer._certificate
         args = (layer.weight_packed, cert.mantissa.to(device), cert.shift.to(device),

@@ -144,9 +144,8 @@ def span_scales(c: torch.Tensor, w: torch.Tensor, k: int):
         rows[:, LANE_ROWS] = lanes.transpose(1, 2)
         return rows
 
-    q_sum = by_row(q_abs.sum((2, 4)))  # sum_k |q| per group
-    chain_sum = torch.maximum(by_row(q_abs[..., 0::2].sum((2, 4))),  # (k0, k2)
-                              by_row(q_abs[..., 1::2].sum((2, 4))))  # (k1, k3)
+    chains = [by_row(q_abs[..., k0::2].sum((2, 4))) for k0 in (0, 1)]  # (k0, k2), (k1, k3)
+    q_sum, chain_sum = chains[0] + chains[1], torch.maximum(*chains)  # sum_k |q| per group
     limit, fold_limit = dataflow.span_size_limit(16), dataflow.span_fold_limit(4)
     unshifted = ((c.abs() <= fold_limit) & (c.abs() * chain_sum <= limit)).flatten(1).all(1)
     never = 1 << 40  # "no nonzero scale yet": divides nothing
