@@ -30,6 +30,8 @@
 // (BY_ROWS lists the tails 1..3: change both together)
 #define TILE_ROWS 4
 // CALL(R, ...) for the `rows` (1..TILE_ROWS) activation rows of a tile, R a compile-time constant
+// for i in 0 .. rows - 1, unrolled whole: GCC otherwise keeps per-row arrays of sums on the stack
+#define FOR_ROWS(i) _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++)
 #define BY_ROWS(rows, CALL, ...)                         \
     switch (rows) {                                      \
         case 1: CALL(1, __VA_ARGS__); break;             \
@@ -128,14 +130,14 @@ ALWAYS_INLINE void tile(const uint8_t *lo, const uint8_t *hi, const uint8_t *wb,
                         int64_t Np, const int rows, const int two, const int nibbles) {
     const __m512i low4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
     __m512i acc_even[TILE_ROWS], acc_odd[TILE_ROWS];
-    for (int i = 0; i < rows; i++) acc_even[i] = acc_odd[i] = _mm512_setzero_si512();
+    FOR_ROWS(i) acc_even[i] = acc_odd[i] = _mm512_setzero_si512();
     for (int64_t g = 0; g < K / 32; g++) {
         __m512i d_lo[TILE_ROWS], d_hi[TILE_ROWS];
         // the correction starts the low limb's sum, so it costs a register move, not an add
         const __m512i wsum_g = _mm512_loadu_si512(wsum + g * Np);
         const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(),
                                                _mm512_slli_epi32(wsum_g, two ? 15 : 7));
-        for (int i = 0; i < rows; i++) {
+        FOR_ROWS(i) {
             d_lo[i] = start;
             d_hi[i] = _mm512_setzero_si512();
         }
@@ -151,7 +153,7 @@ ALWAYS_INLINE void tile(const uint8_t *lo, const uint8_t *hi, const uint8_t *wb,
             }
             for (int h = 0; h < 2; h++) {
                 const int64_t k = g * 32 + (j + h) * 4;
-                for (int i = 0; i < rows; i++) {
+                FOR_ROWS(i) {
                     d_lo[i] = _mm512_dpbusd_epi32(d_lo[i], broadcast4(lo + i * K + k), wv[h]);
                     if (two) {
                         d_hi[i] = _mm512_dpbusd_epi32(d_hi[i], broadcast4(hi + i * K + k), wv[h]);
@@ -162,7 +164,7 @@ ALWAYS_INLINE void tile(const uint8_t *lo, const uint8_t *hi, const uint8_t *wb,
         const __m256i *cg = (const __m256i *)(c + g * Np);
         const __m512i c_even = _mm512_cvtepi32_epi64(_mm256_loadu_si256(cg));
         const __m512i c_odd = _mm512_cvtepi32_epi64(_mm256_loadu_si256(cg + 1));
-        for (int i = 0; i < rows; i++) {
+        FOR_ROWS(i) {
             __m512i p = d_lo[i];
             if (two) p = _mm512_add_epi32(_mm512_slli_epi32(d_hi[i], 8), p);
             acc_even[i] = _mm512_add_epi64(acc_even[i], _mm512_mul_epi32(p, c_even));
@@ -170,7 +172,7 @@ ALWAYS_INLINE void tile(const uint8_t *lo, const uint8_t *hi, const uint8_t *wb,
                                           _mm512_mul_epi32(_mm512_srli_epi64(p, 32), c_odd));
         }
     }
-    for (int i = 0; i < rows; i++) finish(o, i, n0, Np, acc_even[i], acc_odd[i]);
+    FOR_ROWS(i) finish(o, i, n0, Np, acc_even[i], acc_odd[i]);
 }
 
 // The Out of the tile whose first activation row is r.
@@ -263,7 +265,7 @@ ALWAYS_INLINE void span_tile(const int16_t *a, const int16_t *s, const int8_t *r
     const __m512i start = unshifted ? _mm512_set1_epi64(1ll << 31) : _mm512_setzero_si512();
     // two sums per row (pairs (k0, k2) and (k1, k3)): twice the independent dependency chains
     __m512i even[TILE_ROWS], odd[TILE_ROWS], d0[TILE_ROWS], d1[TILE_ROWS];
-    for (int i = 0; i < rows; i++) {
+    FOR_ROWS(i) {
         even[i] = odd[i] = _mm512_setzero_si512();
         d0[i] = d1[i] = start;
     }
@@ -271,14 +273,14 @@ ALWAYS_INLINE void span_tile(const int16_t *a, const int16_t *s, const int8_t *r
         for (int j = 0; j < 8; j++) {
             const __m512i v0 = _mm512_loadu_si512(s + (g * 8 + j) * 64);
             const __m512i v1 = _mm512_loadu_si512(s + (g * 8 + j) * 64 + 32);
-            for (int i = 0; i < rows; i++) {
+            FOR_ROWS(i) {
                 const int16_t *pair = a + i * K + g * 32 + j * 4;
                 DOT_BROADCAST(d0[i], v0, pair);      // k0, k2
                 DOT_BROADCAST(d1[i], v1, pair + 2);  // k1, k3
             }
         }
         if (unshifted) {  // even: A, odd: H; each chain on its own (only it is bounded)
-            for (int i = 0; i < rows; i++) {
+            FOR_ROWS(i) {
                 even[i] = _mm512_add_epi64(even[i], _mm512_add_epi64(d0[i], d1[i]));
                 odd[i] = _mm512_add_epi64(odd[i], _mm512_add_epi64(_mm512_srai_epi64(d0[i], 32),
                                                                    _mm512_srai_epi64(d1[i], 32)));
@@ -288,7 +290,7 @@ ALWAYS_INLINE void span_tile(const int16_t *a, const int16_t *s, const int8_t *r
             const __m128i shifts = _mm_loadu_si128((const __m128i *)(rsh + g * 16));
             const __m512i r_even = _mm512_cvtepi8_epi64(shifts);  // rows 0..7
             const __m512i r_odd = _mm512_cvtepi8_epi64(_mm_srli_si128(shifts, 8));
-            for (int i = 0; i < rows; i++) {
+            FOR_ROWS(i) {
                 const __m512i d = _mm512_add_epi32(d0[i], d1[i]);  // exact: the span's bound
                 // the even lanes' int32 moved up, then shifted down by 32 - base: sum << base
                 even[i] = _mm512_add_epi64(even[i],
@@ -301,12 +303,12 @@ ALWAYS_INLINE void span_tile(const int16_t *a, const int16_t *s, const int8_t *r
     }
     if (unshifted) {  // rows 0..7: A - ((H + G) << 32), mod 2**64
         const __m512i groups = _mm512_set1_epi64(K / 32);
-        for (int i = 0; i < rows; i++) {
+        FOR_ROWS(i) {
             even[i] = _mm512_sub_epi64(even[i],
                                        _mm512_slli_epi64(_mm512_add_epi64(odd[i], groups), 32));
         }
     }
-    for (int i = 0; i < rows; i++) finish(o, i, n0, Np, even[i], odd[i]);
+    FOR_ROWS(i) finish(o, i, n0, Np, even[i], odd[i]);
 }
 
 #define SPAN_TILE(R, S, UNSHIFTED) \
@@ -424,4 +426,46 @@ void round_rows(const int64_t *t, int64_t ld, const int64_t *e_r, const int64_t 
                        round8(_mm512_maskz_loadu_epi64(live, t + r * ld + n), e, mant, expo), wide);
         }
     }
+}
+
+// What a layer's fast path reads, built once per layer (native.NativeWeights.layer): the
+// arguments of the two accumulation kernels that do not change between forwards. f, rsh, ends
+// and unshifted are NULL until the span kernel first runs.
+typedef struct {
+    const uint8_t *w;
+    const int32_t *wsum, *c;
+    const int16_t *f;
+    const int8_t *rsh;
+    const uint8_t *ends, *unshifted;
+    const int64_t *emin;  // padded to Np
+    int64_t K, Np, N;
+    int32_t nibbles;
+} Layer;
+
+// native.linear in one call (Python between the passes cost more than the passes' own
+// bookkeeping, measured): x [M, K] (format 0 bf16, 1 fp16, 2 fp32, of mant_x and expo_x bits)
+// quantized into a scratch of its own (quantize_limbs mode `mode`: 0 or 1 limbs, 2 words), then
+// exact_linear_spans (mode 2) or exact_linear_vnni, rounded once into y [M, N] (mant, expo).
+// Returns how many rows of x hold a non-finite value (y unwritten then), or -1 when the scratch
+// could not be allocated.
+int64_t exact_linear(const Layer *L, const void *x, int format, int mant_x, int expo_x,
+                     int64_t qmax, int mode, int64_t M, void *y, int mant, int expo) {
+    const int64_t K = L->K;
+    int64_t *e_r = malloc(M * sizeof(int64_t));
+    uint8_t *lo = aligned_alloc(64, M * K * (mode ? 2 : 1));  // words, or lo and hi limbs, or one limb
+    int64_t bad = e_r && lo ? row_exponents(x, mant_x, expo_x, qmax, M, K, e_r) : -1;
+    if (bad == 0) {
+        uint8_t *hi = mode == 1 ? lo + M * K : lo;
+        quantize_limbs(x, format, M, K, e_r, lo, hi, mode);
+        if (mode == 2) {
+            exact_linear_spans((const int16_t *)lo, L->w, L->f, L->rsh, L->ends, L->unshifted, NULL,
+                               M, K, L->Np, y, e_r, L->emin, L->N, mant, expo);
+        } else {
+            exact_linear_vnni(lo, hi, L->w, L->wsum, L->c, NULL, M, K, L->Np, mode, L->nibbles, y,
+                              e_r, L->emin, L->N, mant, expo);
+        }
+    }
+    free(e_r);
+    free(lo);
+    return bad;
 }

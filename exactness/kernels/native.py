@@ -2,11 +2,13 @@
 cached by source hash, loaded with ctypes, and used only where the CPU has AVX-512 VNNI and the
 compiled kernel passes its exactness self-check; otherwise the int8-GEMM path runs instead.
 
-One forward is two C passes: the activations quantized (the row exponents e_r by the contract's
-integer rule on the row maxima, as reference.quantize_activations computes them) into biased int8
-limbs, or into int16 words for the span kernel (16-bit activations, 4-bit weights, from
-SPAN_MIN_ROWS rows on); then the exact accumulation T, rounded once in registers and written
-straight into the output tensor.
+One forward is one call into C (exact_linear) that runs two passes: the activations quantized (the
+row exponents e_r by the contract's integer rule on the row maxima, as
+reference.quantize_activations computes them) into biased int8 limbs, or into int16 words for the
+span kernel (16-bit activations, 4-bit weights, from SPAN_MIN_ROWS rows on); then the exact
+accumulation T, rounded once in registers and written straight into the output tensor. The
+passes are also exposed one by one (quantize, accumulate, round_rows) for the self-check and the
+tests.
 """
 
 from __future__ import annotations
@@ -79,11 +81,22 @@ def load(source: str, check: bool = True):
         "row_exponents": [ptr, i32, i32, i64, i64, i64, ptr],
         "quantize_limbs": [ptr, i32, i64, i64, ptr, ptr, ptr, i32],
         "round_rows": [ptr, i64, ptr, ptr, i64, i64, i32, i32, ptr],
+        "exact_linear": [ptr, ptr, i32, i32, i32, i64, i32, i64, ptr, i32, i32],
     }
     for name, argtypes in signatures.items():
-        getattr(lib, name).restype = ctypes.c_int64 if name == "row_exponents" else None
+        counts = name in ("row_exponents", "exact_linear")
+        getattr(lib, name).restype = ctypes.c_int64 if counts else None
         getattr(lib, name).argtypes = argtypes
     return lib if not check or _self_check(lib) else None
+
+
+class Layer(ctypes.Structure):
+    """cpu_vnni.c's Layer: what exact_linear reads that does not change between forwards."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("w", "wsum", "c", "f", "rsh", "ends", "unshifted", "emin")] + [
+        ("k", ctypes.c_int64), ("np", ctypes.c_int64), ("n", ctypes.c_int64),
+        ("nibbles", ctypes.c_int32)]
 
 
 class NativeWeights:
@@ -112,8 +125,25 @@ class NativeWeights:
 
     @property
     def nbytes(self) -> int:
-        spans = self.__dict__.get("spans", ())  # counted once built
-        return sum(t.numel() * t.element_size() for t in (self.w, self.wsum, self.c, *spans))
+        built = (*self.__dict__.get("spans", ()), *self._emin[1:])  # counted once built
+        return sum(t.numel() * t.element_size() for t in (self.w, self.wsum, self.c, *built))
+
+    _emin: tuple = ()  # (the certificate's emin, padded to np): what self._layer points to
+    _layer: Layer | None = None
+
+    def layer(self, emin: torch.Tensor, spans: bool) -> Layer:
+        """exact_linear's Layer for the certificate's `emin` (with the span kernel's scales when
+        `spans`), built once and kept: it points into tensors this object holds."""
+        if self._layer is None or self._emin[0] is not emin:
+            padded = torch.nn.functional.pad(emin.to(torch.int64), (0, self.np - self.n))
+            self._emin = (emin, padded.contiguous())
+            self._layer = Layer(self.w.data_ptr(), self.wsum.data_ptr(), self.c.data_ptr(),
+                                None, None, None, None, self._emin[1].data_ptr(), self.k,
+                                self.np, self.n, int(self.nibbles))
+        if spans and not self._layer.f:
+            scales = [t.data_ptr() for t in self.spans]
+            self._layer.f, self._layer.rsh, self._layer.ends, self._layer.unshifted = scales
+        return self._layer
 
     @functools.cached_property
     def spans(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -250,10 +280,23 @@ def round_rows(t: torch.Tensor, n: int, e_r: torch.Tensor, emin: torch.Tensor,
 
 def linear(x: torch.Tensor, act_bits: int, weights: NativeWeights, emin: torch.Tensor,
            out_format: FloatFormat, lib=None) -> torch.Tensor:
-    """The whole fast path for x [M, K]: y [M, N] in `out_format` (raises on non-finite x)."""
+    """The whole fast path for x [M, K], in one call of the C kernel (exact_linear: quantize,
+    then accumulate with the rounding fused): y [M, N] in `out_format` (raises on non-finite x)."""
+    lib = lib or library()
     spans = uses_spans(act_bits, weights, x.shape[0])
-    lo, hi, e_r = quantize(x, act_bits, lib, spans)
-    return accumulate(lo, hi, act_bits, weights, lib, (e_r, emin, out_format), spans)
+    fmt = float_format(x.dtype)
+    x = x.contiguous()
+    y = torch.empty((x.shape[0], weights.n), dtype=torch_dtype(out_format))
+    mode = 2 if spans else int(dataflow.act_limbs(act_bits) == 2)
+    bad = lib.exact_linear(ctypes.byref(weights.layer(emin, spans)), x.data_ptr(),
+                           FORMAT_CODES[fmt.name], fmt.mant_bits, fmt.exp_bits,
+                           act_qmax(act_bits), mode, x.shape[0], y.data_ptr(),
+                           out_format.mant_bits, out_format.exp_bits)
+    if bad < 0:
+        raise MemoryError(f"no memory for the activations of x {tuple(x.shape)}")
+    if bad:
+        check_finite(float_bits(x), fmt, "x")  # raises, with the count and the first index
+    return y
 
 
 def span_order(qa: torch.Tensor) -> torch.Tensor:
@@ -267,7 +310,8 @@ def _self_check(lib) -> bool:
     against reference.quantize_activations and dataflow.activation_limbs, both accumulation
     kernels against int64 arithmetic (the worst case, random data, long and one-group spans,
     unshifted blocks), the rounding, fused and as a pass, against formats.round_scaled_array
-    (ties, subnormals, overflow), in every format."""
+    (ties, subnormals, overflow), in every format; then the one-call path against those
+    passes."""
     from ..contract import FORMATS
     from ..formats import bits_to_tensor, round_scaled_array
 
@@ -320,6 +364,19 @@ def _self_check(lib) -> bool:
                     if not torch.equal(float_bits(y), round_scaled_array(want, e_r[:, None]
                                                                          + emin[None, :], fmt)):
                         return False
+    # the one-call path (exact_linear) against the passes just checked, both kernels
+    q = torch.randint(-8, 8, (37, 256), generator=g)
+    ms = torch.randint(-255, 256, (37, 8), generator=g, dtype=torch.int32)
+    weights = NativeWeights(q, ms, torch.randint(0, 2, (37, 8), generator=g, dtype=torch.int32))
+    emin = torch.randint(-9, 9, (37,), generator=g)
+    for act_bits, m in ((16, SPAN_MIN_ROWS), (16, 3), (8, 5)):
+        for fmt in FORMATS.values():
+            x = torch.randn(m, 256, generator=g).to(torch_dtype(fmt))
+            lo, hi, e_r = quantize(x, act_bits, lib, uses_spans(act_bits, weights, m))
+            want = accumulate(lo, hi, act_bits, weights, lib, (e_r, emin, fmt),
+                              uses_spans(act_bits, weights, m))
+            if not torch.equal(linear(x, act_bits, weights, emin, fmt, lib), want):
+                return False
     t = torch.randint(-(2**62), 2**62, (4, 67), generator=g) >> torch.randint(0, 62, (4, 67),
                                                                             generator=g)
     t[0, :8] = torch.tensor([0, 1, -1, 3, -3, 2**62, -(2**62), 5])
