@@ -255,11 +255,25 @@ ALWAYS_INLINE void expand(const uint8_t *wb, const int16_t *f, int16_t *s, int64
 #define DOT_BROADCAST(d, v, p) \
     __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(d) : "v"(v), "m"(*(const int32_t *)(p)))
 
+// A tile's sums waiting for their rounding (finish), one row during each of the next tile's first
+// groups: the rounding's long dependency chains then run beside that tile's dots instead of
+// between two tiles, where they filled the reorder window (-0.8% at M = 128, measured)
+typedef struct {
+    __m512i sums[2 * TILE_ROWS];
+    Out o;
+    int64_t n0;
+    int rows;
+} Pending;
+
+ALWAYS_INLINE void finish_pending(Pending *p, int i, int64_t Np) {
+    finish(p->o, i, p->n0, Np, p->sums[2 * i], p->sums[2 * i + 1]);
+}
+
 // T for `rows` activation rows (words a, row stride K) against the expanded block s, of the kind
 // `unshifted` (a compile-time constant, as rows).
 ALWAYS_INLINE void span_tile(const int16_t *a, const int16_t *s, const int8_t *rsh,
                              const uint8_t *ends, Out o, int64_t n0, int64_t K, int64_t Np,
-                             const int rows, const int unshifted) {
+                             Pending *p, const int rows, const int unshifted) {
     const __m512i high = _mm512_set1_epi64((int64_t)0xFFFFFFFF00000000ull);
     // unshifted blocks: 2**31 in the even lanes' chains, 0 in the odd ones
     const __m512i start = unshifted ? _mm512_set1_epi64(1ll << 31) : _mm512_setzero_si512();
@@ -269,7 +283,9 @@ ALWAYS_INLINE void span_tile(const int16_t *a, const int16_t *s, const int8_t *r
         even[i] = odd[i] = _mm512_setzero_si512();
         d0[i] = d1[i] = start;
     }
+    const int before = p->rows;
     for (int64_t g = 0; g < K / 32; g++) {
+        if (g < before) finish_pending(p, g, Np);
         for (int j = 0; j < 8; j++) {
             const __m512i v0 = _mm512_loadu_si512(s + (g * 8 + j) * 64);
             const __m512i v1 = _mm512_loadu_si512(s + (g * 8 + j) * 64 + 32);
@@ -308,11 +324,19 @@ ALWAYS_INLINE void span_tile(const int16_t *a, const int16_t *s, const int8_t *r
                                        _mm512_slli_epi64(_mm512_add_epi64(odd[i], groups), 32));
         }
     }
-    FOR_ROWS(i) finish(o, i, n0, Np, even[i], odd[i]);
+    for (int i = K / 32; i < before; i++) finish_pending(p, i, Np);  // fewer groups than rows
+    FOR_ROWS(i) {
+        p->sums[2 * i] = even[i];
+        p->sums[2 * i + 1] = odd[i];
+    }
+    p->o = o;
+    p->n0 = n0;
+    p->rows = rows;
 }
 
-#define SPAN_TILE(R, S, UNSHIFTED) \
-    span_tile(a + r * K, S, rsh + b * G * 16, ends + b * G, o, b * 16, K, Np, R, UNSHIFTED)
+#define SPAN_TILE(R, S, UNSHIFTED)                                                        \
+    span_tile(a + r * K, S, rsh + b * G * 16, ends + b * G, o, b * 16, K, Np, &pending, R, \
+              UNSHIFTED)
 
 // T [M, Np] into t, or (y not NULL) the rounded output y [M, N] (see Out); w in the nibble layout.
 void exact_linear_spans(const int16_t *a, const uint8_t *w, const int16_t *f, const int8_t *rsh,
@@ -323,7 +347,8 @@ void exact_linear_spans(const int16_t *a, const uint8_t *w, const int16_t *f, co
 #pragma omp parallel
     {
         int16_t *scratch = aligned_alloc(64, K * 32 * sizeof(int16_t));  // 16 rows x K, s16
-#pragma omp for schedule(static)
+        Pending pending = {.rows = 0};
+#pragma omp for schedule(static) nowait
         for (int64_t b = 0; b < Np / 16; b++) {
             expand(w + b * K * 8, f + b * G * 16, scratch, K);
             for (int64_t r = 0; r < M; r += TILE_ROWS) {
@@ -333,6 +358,7 @@ void exact_linear_spans(const int16_t *a, const uint8_t *w, const int16_t *f, co
                 else BY_ROWS(rows, SPAN_TILE, scratch, 0)
             }
         }
+        for (int i = 0; i < pending.rows; i++) finish_pending(&pending, i, Np);  // the last tile
         free(scratch);
     }
 }
@@ -452,7 +478,8 @@ int64_t exact_linear(const Layer *L, const void *x, int format, int mant_x, int 
                      int64_t qmax, int mode, int64_t M, void *y, int mant, int expo) {
     const int64_t K = L->K;
     int64_t *e_r = malloc(M * sizeof(int64_t));
-    uint8_t *lo = aligned_alloc(64, M * K * (mode ? 2 : 1));  // words, or lo and hi limbs, or one limb
+    // words, or lo and hi limbs, or one limb; on 64 bytes (malloc's 16 measured 0.1 ms slower)
+    uint8_t *lo = aligned_alloc(64, (M * K * (mode ? 2 : 1) + 63) / 64 * 64);
     int64_t bad = e_r && lo ? row_exponents(x, mant_x, expo_x, qmax, M, K, e_r) : -1;
     if (bad == 0) {
         uint8_t *hi = mode == 1 ? lo + M * K : lo;

@@ -364,17 +364,20 @@ def _self_check(lib) -> bool:
                     if not torch.equal(float_bits(y), round_scaled_array(want, e_r[:, None]
                                                                          + emin[None, :], fmt)):
                         return False
-    # the one-call path (exact_linear) against the passes just checked, both kernels
-    q = torch.randint(-8, 8, (37, 256), generator=g)
-    ms = torch.randint(-255, 256, (37, 8), generator=g, dtype=torch.int32)
-    weights = NativeWeights(q, ms, torch.randint(0, 2, (37, 8), generator=g, dtype=torch.int32))
-    emin = torch.randint(-9, 9, (37,), generator=g)
-    for act_bits, m in ((16, SPAN_MIN_ROWS), (16, 3), (8, 5)):
+    # the one-call path (exact_linear), through either kernel, against exact_linear_vnni's passes
+    # (checked above); one group too (fewer than a tile's rows: the span kernel's rounding of the
+    # tile before then waits past the tile's end)
+    for k, act_bits, m in ((256, 16, SPAN_MIN_ROWS), (32, 16, SPAN_MIN_ROWS + 2), (256, 16, 3),
+                           (256, 8, 5)):
+        q = torch.randint(-8, 8, (37, k), generator=g)
+        ms = torch.randint(-255, 256, (37, k // 32), generator=g, dtype=torch.int32)
+        weights = NativeWeights(q, ms, torch.randint(0, 2, ms.shape, generator=g,
+                                                     dtype=torch.int32))
+        emin = torch.randint(-9, 9, (37,), generator=g)
         for fmt in FORMATS.values():
-            x = torch.randn(m, 256, generator=g).to(torch_dtype(fmt))
-            lo, hi, e_r = quantize(x, act_bits, lib, uses_spans(act_bits, weights, m))
-            want = accumulate(lo, hi, act_bits, weights, lib, (e_r, emin, fmt),
-                              uses_spans(act_bits, weights, m))
+            x = torch.randn(m, k, generator=g).to(torch_dtype(fmt))
+            lo, hi, e_r = quantize(x, act_bits, lib)
+            want = accumulate(lo, hi, act_bits, weights, lib, (e_r, emin, fmt))
             if not torch.equal(linear(x, act_bits, weights, emin, fmt, lib), want):
                 return False
     t = torch.randint(-(2**62), 2**62, (4, 67), generator=g) >> torch.randint(0, 62, (4, 67),
