@@ -18,6 +18,7 @@ from exactness.paths import available_paths, layer_for, run
 from exactness.strategies import (
     KIMI_SHAPES,
     activation_bits,
+    final_rounding_at_the_top,
     final_rounding_near_ties,
     linear_cases,
     scale_bits,
@@ -163,6 +164,14 @@ def test_the_gpu_checks_tile_table_runs(capsys):
 @given(final_rounding_near_ties())
 def test_final_rounding_near_ties(case):
     """One rounding from the exact integer: rounding through fp32 first would round twice."""
+    for path in LAYER_PATHS:
+        check_path(case, path)
+
+
+@given(final_rounding_at_the_top())
+def test_final_rounding_at_the_top_of_the_range(case):
+    """Vectors of outputs at and past fp16's largest finite value: an overflow is infinity, and
+    no fast rounding may encode it as anything else."""
     for path in LAYER_PATHS:
         check_path(case, path)
 

@@ -385,6 +385,17 @@ def _self_check(lib) -> bool:
     t[0, :8] = torch.tensor([0, 1, -1, 3, -3, 2**62, -(2**62), 5])
     e_r, emin = torch.randint(-300, 200, (4,), generator=g), torch.randint(-40, 40, (67,),
                                                                             generator=g)
+    # rows 1..3, columns 8..23: exact ties at each format's precision p and one unit either side
+    # (both signs, even and odd kept parts), at e = 0: normal results, round8_normal's own path
+    for row, p, s_max in ((1, 8, 40), (2, 11, 4), (3, 24, 39)):
+        s = torch.randint(1, s_max + 1, (16,), generator=g)
+        kept = (1 << (p - 1)) + torch.randint(0, 1 << (p - 1), (16,), generator=g)
+        half = 1 << (s - 1)
+        tail = torch.minimum(half + torch.randint(-1, 2, (16,), generator=g), 2 * half - 1)
+        sign = torch.where(torch.rand(16, generator=g) < 0.5, -1, 1)
+        t[row, 8:24] = sign * ((kept << s) + tail)
+        e_r[row] = 0
+    emin[8:24] = 0
     for fmt in FORMATS.values():
         want = round_scaled_array(t, e_r[:, None] + emin[None, :], fmt)
         if not torch.equal(float_bits(round_rows(t, 67, e_r, emin, fmt, lib)), want):
