@@ -23,10 +23,12 @@ from exactness.precision import dequantized
 SHAPES = {"gate/up 7168->2048": (7168, 2048), "down 2048->7168": (2048, 7168)}
 
 
-def kimi_layer(k: int, n: int, act_bits: int, seed: int = 0) -> PackedInt4Linear:
+def kimi_layer(k: int, n: int, act_bits: int, seed: int = 0,
+               binades: int = 2) -> PackedInt4Linear:
     rng = np.random.default_rng(seed)
     q = rng.integers(-8, 8, (n, k))
-    scales = 0x3C00 + rng.integers(0, 256, (n, k // 32))  # QAT-like: 2**-7 .. 2**-5
+    # QAT-like: 2**-7 .. 2**-5 for the default two binades (each binade is 128 bf16 patterns)
+    scales = 0x3C00 + rng.integers(0, 128 * binades, (n, k // 32))
     layer = PackedInt4Linear(k, n, act_bits, backend="cpu")
     layer.load_state_dict({"weight_packed": torch.from_numpy(pack_weights(q, 4)),
                            "weight_scale": bits_to_tensor(scales, "bfloat16"),
@@ -57,18 +59,20 @@ def main() -> int:
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 128])
     parser.add_argument("--act-bits", type=int, nargs="+", default=[16, 8])
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--binades", type=int, default=2,
+                        help="the spread of each weight row's scales (2: every block unshifted)")
     parser.add_argument("--out", default="reports/bench.md")
     args = parser.parse_args()
     torch.manual_seed(0)
     lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-             f"median of {args.repeats}", "",
+             f"median of {args.repeats}, scales over {args.binades} binades per row", "",
              "| shape | act_bits | M | exact ms | bf16 ms | ratio exact/bf16 |",
              "| --- | --- | --- | --- | --- | --- |"]
     print("\n".join(lines), flush=True)
     memory = []
     for name, (k, n) in SHAPES.items():
         for act_bits in args.act_bits:
-            layer = kimi_layer(k, n, act_bits)
+            layer = kimi_layer(k, n, act_bits, binades=args.binades)
             w = dequantized_bf16(layer)
             for m in args.m:
                 x = torch.randn(m, k).bfloat16()
