@@ -183,6 +183,7 @@ def catalogue(args) -> list[ob.Obligation]:
                 out.append(o)
     if not args.no_rounding:
         out += [ob.rounding(f) for f in ob.ROUNDING_FORMATS]
+        out += [ob.rounding_normal(f) for f in ob.ROUNDING_FORMATS]
     return out
 
 

@@ -373,7 +373,7 @@ void exact_linear_spans(const int16_t *a, const uint8_t *w, const int16_t *f, co
     const int64_t G = K / 32;
 #pragma omp parallel
     {
-        int16_t *scratch = aligned_alloc(64, K * 32 * sizeof(int16_t));  // 16 rows x K, s16
+        int16_t *scratch = aligned_alloc(64, K * 16 * sizeof(int16_t));  // 16 rows x K, s16
         Pending pending = {.rows = 0};
 #pragma omp for schedule(static) nowait
         for (int64_t b = 0; b < Np / 16; b++) {
