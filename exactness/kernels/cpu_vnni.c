@@ -1,6 +1,7 @@
-// The CPU twin of the Triton kernel, in two passes: activation quantization, then the exact
-// accumulation T with the one final rounding done on T in registers (round_rows is the same
-// rounding as a pass of its own, for the self-check). The integers are dataflow.py's. Two
+// The CPU twin of the Triton kernel, in two passes that one call runs (exact_linear, at the end):
+// activation quantization, then the exact accumulation T with the one final rounding done on T in
+// registers (round8_normal, round8 where it does not apply; round_rows is the same rounding as a
+// pass of its own, for the self-check). The integers are dataflow.py's. Two
 // accumulation kernels: exact_linear_vnni (below: int8 limbs, any weights, any batch) and, for
 // 16-bit activations against 4-bit weights from native.SPAN_MIN_ROWS rows on, exact_linear_spans
 // (further down: whole int16 activations, scales folded into s16 weights, blocks of 16 weight rows
