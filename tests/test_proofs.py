@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from exactness import dataflow
 from exactness.contract import group_dot_bound
 from exactness.counterexamples import read
-from exactness.mutants import CATALOGUE, applied
+from exactness.mutants import CATALOGUE, Mutant, applied, mutated_function
 from exactness.paths import run
 from exactness.reference import combine_groups, group_dots, quantize_activations, split_scales
 from exactness.strategies import activation_bits, formats, int_weights, scale_bits
@@ -73,6 +73,20 @@ def test_rounding_proof_refutes_a_planted_rounding_bug():
     sticky = next(m for m in CATALOGUE if m.name == "sticky-bit-ignored")
     with applied(sticky):
         assert prove(ob.rounding(ob.BFLOAT16), timeout_s=120).verdict == "refuted"
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    ("a + below_half + last_kept", "a + below_half"),  # ties toward zero, not to even
+    ("field < emax - 1", "field < emax + 1"),  # taken past the largest finite binade
+])
+def test_the_fast_rounding_proof_refutes_a_planted_bug(old, new):
+    """rounding-normal is a transcription of cpu_vnni.c's round8_normal: a transcription with
+    either bug the C mutants plant (vnni-normal-rounding-*) must not prove."""
+    assert prove(ob.rounding_normal(ob.BFLOAT16)).verdict == "proved"
+    planted = Mutant("planted", "proofs.obligations:rounding_normal", old, new, "", ())
+    _, mutated = mutated_function(planted)
+    verdict = prove(mutated(ob.BFLOAT16), timeout_s=120)
+    assert verdict.verdict == "refuted" and verdict.model
 
 
 # --------------------------------------------------------------------------- cross-checks
