@@ -363,6 +363,13 @@ def cpu_combine(w_bits: int, a_bits: int, k: int, spread: int) -> Obligation:
                       build, w_bits=w_bits, a_bits=a_bits, k=k, acc_bits=bits, spread=spread)
 
 
+def rounding_inputs(m: z3.BitVecRef, e: z3.BitVecRef) -> z3.BoolRef:
+    """What the roundings are proved for: every int64 m but -2**63, and every e the layers
+    produce (|e| <= 320, beyond every e_r + emin: activations and scales are at most 2**128 or
+    2**-149)."""
+    return z3.And(m != z3.BitVecVal(-(2**63), 64), e >= -320, e <= 320)
+
+
 def rounding(fmt) -> Obligation:
     """formats.round_scaled_array itself (run on bit-vectors) == IEEE RNE of m * 2**e, for every
     int64 m (but -2**63) and every e the layers produce, and all its shifts stay in [0, 63]."""
@@ -370,13 +377,11 @@ def rounding(fmt) -> Obligation:
 
     from .symbolic import Sym, shift_amounts_in_range
 
-    e_span = 320  # beyond every e_r + emin: activations and scales are at most 2**128 or 2**-149
-
     def build():
         m, e = z3.BitVec("m", 64), z3.BitVec("e", 64)
         Sym.shift_conditions = []
         got = round_scaled_array(Sym(m), Sym(e), fmt).term
-        pre = z3.And(m != z3.BitVecVal(-(2**63), 64), e >= -e_span, e <= e_span)
+        pre = rounding_inputs(m, e)
         post = z3.And(got == ieee_rne_bits(m, e, fmt), shift_amounts_in_range())
         return pre, post, {"m": m, "e": e}
 
@@ -391,7 +396,6 @@ def rounding_normal(fmt) -> Obligation:
     carries a rounded-up significand into it, is IEEE RNE of m * 2**e; its shifts stay in
     [0, 63]. Every other vector goes to round8, whose arithmetic is round_scaled_array's."""
     mant, bias, emax = fmt.mant_bits, fmt.bias, fmt.exp_max_field
-    e_span = 320  # as rounding(): beyond every e_r + emin
 
     def build():
         m, e = z3.BitVec("m", 64), z3.BitVec("e", 64)
@@ -409,7 +413,7 @@ def rounding_normal(fmt) -> Obligation:
         bits = (field << mant) + n
         bits = z3.If(m < 0, bits | (1 << (mant + fmt.exp_bits)), bits)
         shifts = z3.And(*(z3.And(x >= 0, x <= 63) for x in (s, s - 1)))
-        pre = z3.And(m != z3.BitVecVal(-(2**63), 64), e >= -e_span, e <= e_span, normal)
+        pre = z3.And(rounding_inputs(m, e), normal)
         return pre, z3.And(bits == ieee_rne_bits(m, e, fmt), shifts), {"m": m, "e": e}
 
     return Obligation(f"rounding-normal-{fmt.name}", f"round8_normal's add-based RNE is IEEE RNE "

@@ -112,8 +112,8 @@ ALWAYS_INLINE __m512i round8_normal(__m512i m, __m512i e, int mant, int expo) {
                                 _mm512_set1_epi64(1ll << (mant + expo)));
 }
 
-// 8 bit patterns from round8 stored at out[i .. i + 8) as 16- or 32-bit values, the first
-// `left` of them (all 8 when left >= 8, none when left <= 0).
+// 8 bit patterns from round8 or round8_normal stored at out[i .. i + 8) as 16- or 32-bit values,
+// the first `left` of them (all 8 when left >= 8, none when left <= 0).
 ALWAYS_INLINE void store_bits(void *out, int64_t i, int64_t left, __m512i bits, int wide) {
     const __mmask8 live = left >= 8 ? 0xFF : left <= 0 ? 0 : (__mmask8)((1u << left) - 1);
     if (wide) {

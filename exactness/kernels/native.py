@@ -131,12 +131,15 @@ class NativeWeights:
     _emin: tuple = ()  # (the certificate's emin, padded to np): what self._layer points to
     _layer: Layer | None = None
 
+    def padded(self, emin: torch.Tensor) -> torch.Tensor:
+        """A per-row int64 vector (the certificate's emin) padded with zeros to np rows."""
+        return torch.nn.functional.pad(emin.to(torch.int64), (0, self.np - self.n)).contiguous()
+
     def layer(self, emin: torch.Tensor, spans: bool) -> Layer:
         """exact_linear's Layer for the certificate's `emin` (with the span kernel's scales when
         `spans`), built once and kept: it points into tensors this object holds."""
         if self._layer is None or self._emin[0] is not emin:
-            padded = torch.nn.functional.pad(emin.to(torch.int64), (0, self.np - self.n))
-            self._emin = (emin, padded.contiguous())
+            self._emin = (emin, self.padded(emin))
             self._layer = Layer(self.w.data_ptr(), self.wsum.data_ptr(), self.c.data_ptr(),
                                 None, None, None, None, self._emin[1].data_ptr(), self.k,
                                 self.np, self.n, int(self.nibbles))
@@ -207,6 +210,12 @@ def span_scales(c: torch.Tensor, w: torch.Tensor, k: int):
             ends.to(torch.uint8).contiguous(), unshifted.to(torch.uint8).contiguous())
 
 
+def quantize_mode(act_bits: int, words: bool) -> int:
+    """cpu_vnni.c's quantize_limbs mode: 2, int16 words for the span kernel; else the limbs
+    exact_linear_vnni takes, 1 (two) or 0 (one)."""
+    return 2 if words else int(dataflow.act_limbs(act_bits) == 2)
+
+
 def quantize(x: torch.Tensor, act_bits: int, lib=None, words: bool = False):
     """(lo, hi, e_r): x [M, K] as cpu_vnni.c's biased limbs [M, K] uint8 (hi is lo for one-limb
     activations), or with `words` qa itself as int16 in exact_linear_spans' order (lo and hi
@@ -220,11 +229,11 @@ def quantize(x: torch.Tensor, act_bits: int, lib=None, words: bool = False):
     if lib.row_exponents(x.data_ptr(), fmt.mant_bits, fmt.exp_bits, act_qmax(act_bits), m, k,
                          e_r.data_ptr()):
         check_finite(float_bits(x), fmt, "x")
-    two = dataflow.act_limbs(act_bits) == 2
+    mode = quantize_mode(act_bits, words)
     lo = torch.empty((m, k), dtype=torch.int16 if words else torch.uint8)
-    hi = torch.empty((m, k), dtype=torch.uint8) if two and not words else lo
+    hi = torch.empty((m, k), dtype=torch.uint8) if mode == 1 else lo
     lib.quantize_limbs(x.data_ptr(), FORMAT_CODES[fmt.name], m, k, e_r.data_ptr(), lo.data_ptr(),
-                       hi.data_ptr(), 2 if words else int(two))
+                       hi.data_ptr(), mode)
     return lo, hi, e_r
 
 
@@ -246,7 +255,7 @@ def accumulate(lo: torch.Tensor, hi: torch.Tensor, act_bits: int, weights: Nativ
     fmt = rounding[2] if rounding else float_format("float32")
     if rounding:
         e_r = rounding[0].to(torch.int64).contiguous()
-        emin = torch.nn.functional.pad(rounding[1].to(torch.int64), (0, weights.np - weights.n))
+        emin = weights.padded(rounding[1])
         y = torch.empty((m, weights.n), dtype=torch_dtype(fmt))
     else:
         t = torch.empty((m, weights.np), dtype=torch.int64)
@@ -287,7 +296,7 @@ def linear(x: torch.Tensor, act_bits: int, weights: NativeWeights, emin: torch.T
     fmt = float_format(x.dtype)
     x = x.contiguous()
     y = torch.empty((x.shape[0], weights.n), dtype=torch_dtype(out_format))
-    mode = 2 if spans else int(dataflow.act_limbs(act_bits) == 2)
+    mode = quantize_mode(act_bits, spans)
     bad = lib.exact_linear(ctypes.byref(weights.layer(emin, spans)), x.data_ptr(),
                            FORMAT_CODES[fmt.name], fmt.mant_bits, fmt.exp_bits,
                            act_qmax(act_bits), mode, x.shape[0], y.data_ptr(),
