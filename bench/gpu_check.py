@@ -1,8 +1,9 @@
 """GPU check, in one run: bit-exactness of the Triton kernel on CUDA against the reference, then
-kernel vs torch bf16 matmul timings (CUDA events, median), as ratios, then the group kernel's
-other tiles and warp counts at M = 128 and 4096 (same bits, their times), so that one run on a
-lent GPU also says which launch to make the default. Prints tables; exit 1 on any differing
-bit."""
+kernel vs torch bf16 matmul timings (CUDA events, median), as ratios, with the forward's two GPU
+paths side by side (the group kernel; linear_folded, taken from triton_exact.FOLDED_MIN_ROWS
+rows), then the group kernel's other tiles and warp counts at M = 128 and 4096 (same bits, their
+times), so that one run on a lent GPU also says which launch and crossover to make the default.
+Prints tables; exit 1 on any differing bit."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from exactness.cases import LinearCase, load_vectors
 from exactness.contract import BFLOAT16
 from exactness.formats import pack_weights
+from exactness.kernels import triton_exact
 from exactness.paths import run
 
 
@@ -56,15 +58,41 @@ def main() -> int:
                           0x3C00 + rng.integers(0, 256, (n, k // 32)), act_bits, BFLOAT16)
         bad += int(not (run(case, "triton") == run(case, "reference")).all())
     print(f"bit-exactness: {'OK' if bad == 0 else f'{bad} cases differ'}")
-    print("| shape | M | exact ms | bf16 ms | ratio bf16/exact (speed-up) |")
+    print(f"| shape | M | exact ms (layer) | bf16 ms | ratio bf16/exact (speed-up) | "
+          f"group kernel ms | folded ms (triton_exact.FOLDED_MIN_ROWS = "
+          f"{triton_exact.FOLDED_MIN_ROWS}) |")
     for k, n in ((7168, 2048), (2048, 7168)):
         layer, w = kimi_on(k, n, "cuda")
-        for m in (1, 16, 128, 4096):
+        for m in (1, 16, 32, 64, 128, 512, 4096):
             x = torch.randn(m, k, device="cuda").bfloat16()
             exact, bf16 = cuda_ms(lambda: layer(x)), cuda_ms(lambda: x @ w.t())
-            print(f"| {k}->{n} | {m} | {exact:.3f} | {bf16:.3f} | {bf16 / exact:.2f} |")
+            group, folded, same = both_paths(layer, x)
+            bad += not same
+            print(f"| {k}->{n} | {m} | {exact:.3f} | {bf16:.3f} | {bf16 / exact:.2f} | "
+                  f"{group:.3f} | {folded}{'' if same else ' DIFFERENT BITS'} |")
     bad += tiles()
     return 1 if bad else 0
+
+
+def both_paths(layer, x, timer=None) -> tuple[float, str, bool]:
+    """The forward's two GPU paths on x, each without the layer's Python: the group kernel's ms,
+    linear_folded's ms (or why it does not take x) and whether their bits agree."""
+    from exactness.dataflow import folded_weight_limbs
+
+    timer = timer or cuda_ms
+    cert = layer.certificate
+    limbs, e_r = triton_exact.quantize(x, 16)
+    args = (limbs, e_r, layer.weight_packed, cert.mantissa.to(x.device), cert.shift.to(x.device),
+            cert.emin.to(x.device), 4)
+    group = timer(lambda: triton_exact.linear(*args, torch.bfloat16))
+    if not triton_exact.folded_fits(x.shape[0], layer.out_features, layer.in_features):
+        return group, "-", True
+    digits = folded_weight_limbs(4, cert.fast_spread)
+    same = bool((triton_exact.linear(*args, torch.bfloat16).view(torch.int16)
+                 == triton_exact.linear_folded(*args, digits, torch.bfloat16).view(torch.int16)
+                 ).all())
+    folded = timer(lambda: triton_exact.linear_folded(*args, digits, torch.bfloat16))
+    return group, f"{folded:.3f} ({digits} digits)", same
 
 
 def tiles(shapes=((7168, 2048), (2048, 7168)), batches=(128, 4096), device="cuda",
@@ -72,8 +100,6 @@ def tiles(shapes=((7168, 2048), (2048, 7168)), batches=(128, 4096), device="cuda
     """The group kernel alone at other tiles: bits against the default launch, and times (the
     quantize kernel's time apart). Returns how many launches gave other bits. (The suite runs it
     small under the interpreter: tests/test_modules.py.)"""
-    from exactness.kernels import triton_exact
-
     timer = timer or cuda_ms
     bad = 0
     print("| shape | M | BLOCK_M x BLOCK_N, warps | group kernel ms | bf16 ms | ratio bf16/group |")

@@ -102,12 +102,16 @@ def int_mm_bound(k: int) -> int:
     return k * 128 * 128
 
 
+def folded_weight_limbs(w_bits: int, spread: int) -> int:
+    """How many int8 digits hold every folded weight q * ms << shift with shift <= spread."""
+    mant = 2**SCALE_MANT_BITS - 1
+    return weight_limbs_needed(-(2 ** (w_bits - 1)) * mant << spread,
+                               (2 ** (w_bits - 1) - 1) * mant << spread)
+
+
 def max_folded_spread(w_bits: int) -> int:
     """The largest spread whose folded weights q * ms << spread fit MAX_WEIGHT_LIMBS int8 limbs."""
-    lo, hi = -(2 ** (w_bits - 1)), 2 ** (w_bits - 1) - 1
-    mant = 2**SCALE_MANT_BITS - 1
     spread = -1
-    while weight_limbs_needed(lo * mant << (spread + 1),
-                              hi * mant << (spread + 1)) <= MAX_WEIGHT_LIMBS:
+    while folded_weight_limbs(w_bits, spread + 1) <= MAX_WEIGHT_LIMBS:
         spread += 1
     return spread

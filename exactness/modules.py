@@ -58,6 +58,7 @@ class Certificate:
     fast: torch.Tensor  # [N] bool
     spread_limit: int
     slow_rows: torch.Tensor  # [N_slow] int64, the rows not fast (found once, not per forward)
+    fast_spread: int  # the largest spread of a fast row (0 if none): the folded digits it needs
 
     def summary(self) -> dict:
         return {"rows": int(self.fast.numel()), "fast_rows": int(self.fast.sum()),
@@ -72,7 +73,8 @@ def certify(weight_scale: torch.Tensor, k: int, w_bits: int, act_bits: int) -> C
     keep = fast[:, None]
     return Certificate(emin, spread, torch.where(keep, ms, 0).to(torch.int32),
                        torch.where(keep, shift, 0).to(torch.int32), fast, limit,
-                       torch.nonzero(~fast).flatten().cpu())
+                       torch.nonzero(~fast).flatten().cpu(),
+                       int(torch.where(fast, spread, 0).max()) if spread.numel() else 0)
 
 
 def _default_packed(n: int, k: int, bits: int) -> torch.Tensor:
@@ -215,9 +217,16 @@ class _PackedExactLinear(nn.Module):
                 check_finite(float_bits(x2), x_format, "x")  # raises, with the count and index
             if path == "triton":
                 limbs, e_r = triton_exact.quantize(x2, self.act_bits)
-                y = triton_exact.linear(limbs, e_r, self.weight_packed,
-                                        cert.mantissa.to(x.device), cert.shift.to(x.device),
-                                        cert.emin.to(x.device), self.bits, out_dtype)
+                args = (limbs, e_r, self.weight_packed, cert.mantissa.to(x.device),
+                        cert.shift.to(x.device), cert.emin.to(x.device), self.bits)
+                if (x2.shape[0] >= triton_exact.FOLDED_MIN_ROWS
+                        and triton_exact.folded_fits(x2.shape[0], n, k)
+                        and cpu.int_mm_exact(x.device.type)):
+                    y = triton_exact.linear_folded(
+                        *args, dataflow.folded_weight_limbs(self.bits, cert.fast_spread),
+                        out_dtype)
+                else:
+                    y = triton_exact.linear(*args, out_dtype)
             else:  # the int8-GEMM fallback
                 qa, e_r = quantize_rows(x2, self.act_bits)
                 folded = self._cpu_layout(cpu.FoldedWeights)

@@ -250,6 +250,8 @@ GEMM = "tests/test_modules.py::test_int8_gemm_fallback_matches_reference"
 GEMM_VECTORS = "tests/test_modules.py::test_vectors_through_the_int8_gemm_fallback"
 TRITON = "tests/test_modules.py::test_triton_path_matches_reference"
 TRITON_VECTORS = "tests/test_modules.py::test_vectors_through_the_triton_path"
+FOLDED = "tests/test_modules.py::test_triton_folded_path_matches_reference"
+FOLDED_VECTORS = "tests/test_modules.py::test_vectors_through_the_triton_folded_path"
 KERNEL = "exactness.kernels.triton_exact:exact_group_kernel"
 C_KERNEL = "exactness/kernels/cpu_vnni.c"
 BATCH = "tests/test_modules.py::test_batch_and_permutation_invariance"
@@ -391,6 +393,16 @@ CATALOGUE = (
            "bits = bits | tl.where(m < 0, (a * 0 + 1) << (MANT + EXP), 0)", "bits = bits",
            "the sign bit not set on negative outputs in the Triton epilogue",
            (TRITON_VECTORS, TRITON)),
+    # --- the GPU's folded path (many rows): fold_kernel's digits, combine_kernel's place values
+    Mutant("kernel-folded-digit-carry-lost", "exactness.kernels.triton_exact:fold_kernel",
+           "v = (v - low) >> 8", "v = v >> 8",
+           "a folded weight's next digit taken without the borrow of a negative low digit",
+           (FOLDED, FOLDED_VECTORS)),
+    Mutant("kernel-folded-weight-digit-place-dropped",
+           "exactness.kernels.triton_exact:combine_kernel",
+           "t += z.to(tl.int64) << (8 * (i + j))", "t += z.to(tl.int64) << (8 * i)",
+           "a weight digit's place value lost when combining the limb GEMMs",
+           (FOLDED, FOLDED_VECTORS)),
     # --- the C kernel (cpu_vnni.c), the CPU path's production code
     Mutant("vnni-high-limb-correction-unscaled", C_KERNEL, "two ? 15 : 7", "7",
            "the bias correction of the high limb not scaled by 256 (per-limb zero points)",

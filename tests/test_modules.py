@@ -1,5 +1,6 @@
 """The production layer against the reference, bit for bit, on every path available here."""
 
+import contextlib
 from unittest import mock
 
 import numpy as np
@@ -13,7 +14,7 @@ from exactness.cases import LinearCase, load_vectors
 from exactness.contract import BFLOAT16, FLOAT32, FORMATS
 from exactness.counterexamples import check_bits
 from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits
-from exactness.kernels import native
+from exactness.kernels import native, triton_exact
 from exactness.paths import available_paths, layer_for, run
 from exactness.strategies import (
     KIMI_SHAPES,
@@ -150,6 +151,43 @@ def test_triton_path_matches_reference(case):
     check_path(case, "triton")
 
 
+def folded_case(case: LinearCase) -> tuple[LinearCase, np.ndarray, np.ndarray]:
+    """`case` grown to a shape the forward sends through triton_exact.linear_folded (rows
+    repeated to FOLDED_MIN_ROWS, weight rows to a multiple of 8), with the rows and outputs of
+    `case` each of its rows and outputs repeats. A failure's file replays through that path."""
+    m, k, n = case.shape
+    rows = np.arange(max(m, triton_exact.FOLDED_MIN_ROWS)) % m
+    cols = np.arange(-(-n // 8) * 8) % n
+    return LinearCase(case.x_bits[rows], case.x_format, case.q[cols], case.weight_packed[cols],
+                      case.scale_bits[cols], case.act_bits, case.out_format, case.w_bits,
+                      name=case.name), rows, cols
+
+
+@contextlib.contextmanager
+def taking_folded():
+    with mock.patch.object(triton_exact, "linear_folded",
+                           wraps=triton_exact.linear_folded) as folded:
+        yield
+    assert folded.called, "the forward did not take linear_folded"
+
+
+@needs_triton
+@given(linear_cases(max_k=128, max_n=40, max_rows=20))
+def test_triton_folded_path_matches_reference(case):
+    case, _, _ = folded_case(case)
+    with taking_folded():
+        check_path(case, "triton")
+
+
+@needs_triton
+def test_vectors_through_the_triton_folded_path():
+    for vector in load_vectors():
+        case, rows, cols = folded_case(vector)
+        with taking_folded():
+            check_bits(case, "triton", run(case, "triton"), vector.expected[rows][:, cols],
+                       source="vectors")
+
+
 @needs_triton
 def test_the_gpu_checks_tile_table_runs(capsys):
     """bench/gpu_check.py's tile table, small and under the interpreter (a device run is scarce,
@@ -159,6 +197,18 @@ def test_the_gpu_checks_tile_table_runs(capsys):
 
     assert tiles(shapes=((64, 20),), batches=(19,), device="cpu", timer=lambda fn: 0.1) == 0
     assert "DIFFERENT" not in capsys.readouterr().out
+
+
+@needs_triton
+def test_the_gpu_checks_two_paths_agree():
+    """bench/gpu_check.py's side-by-side of the group kernel and linear_folded, small and under
+    the interpreter: both run, with the same bits."""
+    from bench.gpu_check import both_paths, kimi_on
+
+    layer, _ = kimi_on(64, 24, "cpu")
+    x = torch.randn(20, 64).bfloat16()
+    group, folded, same = both_paths(layer, x, timer=lambda fn: (fn(), 0.1)[1])
+    assert same and folded.endswith("digits)")
 
 
 @given(final_rounding_near_ties())
@@ -192,12 +242,12 @@ def test_wide_spread_rows_stay_exact(case, data):
 
 
 @st.composite
-def kimi_cases(draw, act_bits: int, path: str):
+def kimi_cases(draw, act_bits: int, path: str, rows: int | None = None):
     k, n = draw(st.sampled_from(KIMI_SHAPES))
     rng = np.random.default_rng(draw(seeds))
     q = rng.integers(-8, 8, (n, k))
     q[:, : draw(st.sampled_from((0, 32)))] = -8  # a group at the bound
-    rows = draw(st.sampled_from((1, 3) if path == "triton" else (1, 17, 300)))
+    rows = rows or draw(st.sampled_from((1, 3) if path == "triton" else (1, 17, 300)))
     return LinearCase(draw(activation_bits(rows, k, BFLOAT16, act_bits)), BFLOAT16, q,
                       pack_weights(q, 4), draw(scale_bits(n, k // 32, kind="qat")), act_bits,
                       BFLOAT16)
@@ -211,6 +261,18 @@ def test_full_kimi_sizes(path, act_bits):
     @given(kimi_cases(act_bits, path))
     def full_size(case):
         check_path(case, path)
+
+    full_size()
+
+
+@needs_triton
+def test_full_kimi_size_triton_folded():
+    """A full Kimi layer through linear_folded (16-bit activations, FOLDED_MIN_ROWS rows)."""
+    @settings(max_examples=1, derandomize=True, database=None)
+    @given(kimi_cases(16, "triton", rows=triton_exact.FOLDED_MIN_ROWS))
+    def full_size(case):
+        with taking_folded():
+            check_path(case, "triton")
 
     full_size()
 

@@ -36,21 +36,21 @@ class FoldedWeights:
 
 
 @functools.cache
-def int_mm_exact() -> bool:
-    """torch._int_mm exists here and sums int8 products in int32 exactly.
+def int_mm_exact(device: str = "cpu") -> bool:
+    """torch._int_mm exists on `device` and sums int8 products in int32 exactly.
 
-    Checked once, at the worst case (every product +2**14, where a 16-bit intermediate would
-    saturate) and on random limbs against int64.
+    Checked once per device, at the worst case (every product +2**14, where a 16-bit
+    intermediate would saturate) and on random limbs against int64.
     """
     if not hasattr(torch, "_int_mm"):
         return False
-    worst = torch.full((17, 4096), -128, dtype=torch.int8)
-    mixed = torch.randint(-128, 128, (33, 4096), dtype=torch.int8,
-                          generator=torch.Generator().manual_seed(0))
+    worst = torch.full((24, 4096), -128, dtype=torch.int8, device=device)
+    mixed = torch.randint(-128, 128, (40, 4096), dtype=torch.int8,
+                          generator=torch.Generator().manual_seed(0)).to(device)
     try:
         return bool((torch._int_mm(worst, worst.t()) == 4096 * 128 * 128).all()) and bool(
-            (torch._int_mm(mixed, mixed.t()).to(torch.int64)
-             == mixed.to(torch.int64) @ mixed.to(torch.int64).t()).all())
+            (torch._int_mm(mixed, mixed.t()).to(torch.int64).cpu()
+             == mixed.cpu().to(torch.int64) @ mixed.cpu().to(torch.int64).t()).all())
     except RuntimeError:
         return False
 

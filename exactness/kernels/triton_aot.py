@@ -24,6 +24,7 @@ import sys
 import tempfile
 from dataclasses import asdict, dataclass, field
 
+from .. import dataflow
 from ..contract import FORMATS
 from . import triton_exact
 
@@ -47,6 +48,11 @@ class Compiled:
     shared_bytes: int = 0
     registers: int = -1
     spill_bytes: int = -1
+    loop_instructions: int = -1  # SASS instructions in the kernel's hot loop, per warp and step
+    per_element: float = -1.0  # the same per thread and element of a step (output, weight, x)
+
+    def issue_share(self) -> str:
+        return f"{self.per_element:.1f}" if self.per_element >= 0 else "-"
 
 
 def _argument_types(kernel: str, width: int) -> dict:
@@ -54,6 +60,12 @@ def _argument_types(kernel: str, width: int) -> dict:
     if kernel == "quantize_kernel":
         return dict(x_ptr=f"*i{width}", a_ptr="*i8", e_ptr="*i64", M="i32", K="i32",
                     stride_xm="i32", stride_limb="i32")
+    if kernel == "fold_kernel":
+        return dict(w_ptr="*i32", f_ptr="*i32", folded_ptr="*i8", sum_ptr="*i64", N="i32",
+                    K="i32", stride_wn="i32", stride_fn="i32")
+    if kernel == "combine_kernel":
+        return dict(z_ptr="*i32", sum_ptr="*i64", e_ptr="*i64", emin_ptr="*i64",
+                    y_ptr=f"*i{width}", M="i32", N="i32", stride_zm="i32", stride_ym="i32")
     return dict(a_ptr="*i8", w_ptr="*i32", c_ptr="*i32", sh_ptr="*i32", e_ptr="*i64",
                 emin_ptr="*i64", y_ptr=f"*i{width}", M="i32", N="i32", G="i32",
                 stride_limb="i32", stride_am="i32", stride_wn="i32", stride_cn="i32",
@@ -78,6 +90,19 @@ def configurations(quick: bool = False) -> list[tuple[str, str, int, dict]]:
                                 f"out {out.name}", out.width,
                                 triton_exact.group_constants(w_bits, two, out,
                                                              triton_exact.GPU_BLOCK_N)))
+    # linear_folded's kernels, at every digit count the certificate allows (quick: the Kimi case,
+    # two digits for spreads up to 4 binades, 16-bit activations)
+    digits = (2,) if quick else range(1, dataflow.MAX_WEIGHT_LIMBS + 1)
+    for w_bits in (4,) if quick else (4, 8):
+        for w_limbs in digits:
+            configs.append(("fold_kernel", f"w_bits {w_bits}, {w_limbs} digits", 32,
+                            triton_exact.fold_constants(w_bits, w_limbs, *triton_exact.GPU_FOLD)))
+    for a_limbs in (2,) if quick else (1, 2):
+        for w_limbs in digits:
+            for out in formats:
+                configs.append(("combine_kernel", f"{a_limbs} x {w_limbs} limbs, out {out.name}",
+                                out.width, triton_exact.combine_constants(
+                                    a_limbs, w_limbs, out, triton_exact.GPU_COMBINE_BLOCK)))
     return configs
 
 
@@ -96,6 +121,33 @@ def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     usage, spills = PTXAS_USAGE.search(proc.stderr), PTXAS_SPILLS.search(proc.stderr)
     return (int(usage.group(1)) if usage else -1,
             int(spills.group(1)) + int(spills.group(2)) if spills else -1)
+
+
+SASS_LINE = re.compile(r"/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
+
+
+def hot_loop(cubin: bytes, arch: int) -> list[str]:
+    """The opcodes of the cubin's longest loop (its longest backward branch), from cuobjdump:
+    what one warp issues per step of a kernel's main loop. [] if there is none or no tool."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    tool = os.path.join(os.path.dirname(get_ptxas(arch).path), "cuobjdump")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        try:
+            sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True,
+                                  timeout=120).stdout
+        except OSError:
+            return []
+    lines = [(int(m.group(1), 16), m.group(3), m.group(4)) for m in SASS_LINE.finditer(sass)]
+    loops = [(target, at) for at, op, rest in lines if op.startswith("BRA")
+             for target in [int(t, 16) for t in re.findall(r"0x([0-9a-f]+)", rest)] if target < at]
+    if not loops:
+        return []
+    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
+    return [op for at, op, _ in lines if start <= at <= end]
 
 
 def compile_kernel(fn, types: dict, constants: dict, arch: int, name: str = "",
@@ -123,6 +175,13 @@ def compile_kernel(fn, types: dict, constants: dict, arch: int, name: str = "",
     record.int_mma = sorted(set(INT_MMA.findall(ptx)))
     record.shared_bytes = kernel.metadata.shared
     record.registers, record.spill_bytes = _ptxas_usage(ptx, arch)
+    record.loop_instructions = len(hot_loop(kernel.asm["cubin"], arch))
+    # elements of one loop step: outputs (a group of 32 each), weights, or activations
+    step = (constants.get("BLOCK_M", 1) * constants.get("BLOCK_N", 1)
+            * (1 if name == "exact_group_kernel" else constants.get("BLOCK_K", 1))
+            // (constants.get("BLOCK_M", 1) if name == "fold_kernel" else 1))
+    if record.loop_instructions > 0:
+        record.per_element = record.loop_instructions * 32 * num_warps / step
     record.ok = bool(record.int_mma) or not needs_int_mma
     if not record.ok:
         record.error = "its int8 dots do not lower to an integer tensor-core MMA"
@@ -177,13 +236,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps([asdict(r) for r in records]))
     else:
         print("| kernel | configuration | sm | verdict | int MMA | registers | spill bytes |"
-              " shared bytes |")
-        print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+              " shared bytes | hot loop (SASS per warp and step) | per thread and element |")
+        print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
         for r in records:
             verdict = "compiled" if r.ok else f"FAILED: {r.error}"
             print(f"| {r.kernel} | {r.config} | {r.arch} | {verdict} | "
                   f"{', '.join(mma_name(m) for m in r.int_mma) or '-'} | {r.registers} | "
-                  f"{r.spill_bytes} | {r.shared_bytes} |")
+                  f"{r.spill_bytes} | {r.shared_bytes} | {max(r.loop_instructions, 0) or '-'} | "
+                  f"{r.issue_share()} |")
     return 0 if records and all(r.ok for r in records) else 1
 
 

@@ -1,6 +1,6 @@
 """The GPU kernels, in Triton; on CPU they run under the interpreter (TRITON_INTERPRET=1).
 
-One forward is two launches:
+One forward, below FOLDED_MIN_ROWS activation rows, is two launches:
 - `quantize_kernel`, BLOCK_M activation rows per program: the row exponent e_r by the contract's
   integer rule (section 3) on the row maximum's bit pattern, then qa = RNE(x * 2**-e_r) by integer
   shifts of each value's significand, written as dataflow's int8 limbs;
@@ -9,6 +9,9 @@ One forward is two launches:
   P * ms << shift is added into an int64 accumulator (widths: exactness/dataflow.py); the tile's
   exact T is rounded once (`round_scaled`, the twin of formats.round_scaled_array) and stored as
   the output's bit patterns.
+From FOLDED_MIN_ROWS rows on, `linear_folded` runs kernels/cpu.py's dataflow instead, which
+leaves the GEMM no per-group work: `fold_kernel` (the scales folded into the weights' int8
+digits), one integer GEMM (torch._int_mm) and `combine_kernel` (int64 combination, the rounding).
 The integer helpers are twins of formats.py's and reference.py's; the suite checks the kernels
 bit for bit against the reference.
 """
@@ -40,6 +43,14 @@ BLOCK_K = 1024 if INTERPRETED else GPU_BLOCK_K  # activations per row and step o
 # ~3 KiB, their int64 accumulators too many for the registers)
 TUNING_TILES = ((16, 64, 4), (32, 64, 4), (32, 128, 4), (64, 64, 8), (128, 32, 8), (128, 64, 8),
                 (64, 128, 8))
+# The folded path (linear_folded): fold_kernel's rows and k per step, combine_kernel's tile
+GPU_FOLD, GPU_COMBINE_BLOCK = (16, 128), 32  # no spills (triton_aot)
+FOLD_BLOCK_N, FOLD_BLOCK_K = (64, 1024) if INTERPRETED else GPU_FOLD
+COMBINE_BLOCK = 128 if INTERPRETED else GPU_COMBINE_BLOCK
+# From this many activation rows a forward takes linear_folded. Not measured yet (no GPU has been
+# lent): the count of each kernel's instructions (docs/PERFORMANCE.md) puts the crossover at
+# tens of rows; bench/gpu_check.py times both paths at every M and says which is faster.
+FOLDED_MIN_ROWS = 64
 
 
 def available() -> bool:
@@ -96,6 +107,20 @@ if triton is not None:
         bits = tl.where(n >= (1 << MANT), normal, n)
         bits = bits | tl.where(m < 0, (a * 0 + 1) << (MANT + EXP), 0)  # int64: fp32's is 2**31
         return tl.where(m == 0, 0, bits)
+
+    @triton.jit
+    def store_rounded(t, e_ptr, emin_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, stride_ym,
+                      OUT_MANT: tl.constexpr, OUT_EXP: tl.constexpr):
+        """The one rounding, from the exact int64 T: y = RNE(T * 2**(e_r + emin)), stored as
+        the output's bit patterns."""
+        e_r = tl.load(e_ptr + offs_m, mask=mask_m, other=0)
+        emin = tl.load(emin_ptr + offs_n, mask=mask_n, other=0)
+        bits = round_scaled(t, e_r[:, None] + emin[None, :], OUT_MANT, OUT_EXP)
+        width: tl.constexpr = OUT_MANT + OUT_EXP + 1
+        sign = (bits * 0 + 1) << (width - 1)
+        signed = tl.where(bits >= sign, bits - 2 * sign, bits)  # the bits as the int view
+        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y_ptrs, signed.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
     @triton.jit
     def decode(b, MANT: tl.constexpr, EXP: tl.constexpr):
@@ -187,15 +212,64 @@ if triton is not None:
             c = tl.load(c_ptr + offs_n * stride_cn + g, mask=mask_n, other=0).to(COMBINE_ACC)
             sh = tl.load(sh_ptr + offs_n * stride_cn + g, mask=mask_n, other=0).to(COMBINE_ACC)
             acc += (p.to(COMBINE_ACC) * c[None, :]) << sh[None, :]
-        # the one rounding, from the exact T: y = RNE(T * 2**(e_r + emin))
-        e_r = tl.load(e_ptr + offs_m, mask=mask_m, other=0)
-        emin = tl.load(emin_ptr + offs_n, mask=mask_n, other=0)
-        bits = round_scaled(acc.to(tl.int64), e_r[:, None] + emin[None, :], OUT_MANT, OUT_EXP)
-        width: tl.constexpr = OUT_MANT + OUT_EXP + 1
-        sign = (bits * 0 + 1) << (width - 1)
-        signed = tl.where(bits >= sign, bits - 2 * sign, bits)  # the bits as the int view
-        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-        tl.store(y_ptrs, signed.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        store_rounded(acc.to(tl.int64), e_ptr, emin_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n,
+                      stride_ym, OUT_MANT, OUT_EXP)
+
+    @triton.jit
+    def fold_kernel(w_ptr, f_ptr, folded_ptr, sum_ptr, N, K, stride_wn, stride_fn,
+                    W_BITS: tl.constexpr, W_LIMBS: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """cpu.FoldedWeights of BLOCK_N weight rows: the signed int8 digits of Wf = q * f
+        (f = ms << shift of q's group, dataflow.int8_digits), digit j of row n at
+        folded[j * N + n], and sum_k Wf [n] in int64."""
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        per_word: tl.constexpr = 32 // W_BITS
+        offs_w = tl.arange(0, BLOCK_K // per_word)  # a step's words, each read once
+        fields = tl.arange(0, per_word)
+        sums = tl.zeros((BLOCK_N, BLOCK_K // per_word), dtype=tl.int64)  # reduced once, at the end
+        plane = N.to(tl.int64) * K  # one digit's N x K (int64: 3 digits of a big layer pass 2**31)
+        for k0 in range(0, K, BLOCK_K):
+            ws = k0 // per_word + offs_w
+            mask = mask_n[:, None] & (ws < K // per_word)[None, :]
+            words = tl.load(w_ptr + offs_n[:, None] * stride_wn + ws[None, :], mask=mask, other=0)
+            f = tl.load(f_ptr + offs_n[:, None] * stride_fn + (ws // (32 // per_word))[None, :],
+                        mask=mask, other=0)
+            q = ((words[:, :, None] >> (fields * W_BITS)[None, None, :]) & ((1 << W_BITS) - 1)) - (
+                1 << (W_BITS - 1))
+            v = tl.where(mask[:, :, None], q * f[:, :, None], 0)  # < 2**31: f < 2**(8 + spread)
+            sums += tl.sum(v, axis=2).to(tl.int64)  # a word's fields: < 8 * 2**23 in int32
+            ks = ws[:, None] * per_word + fields[None, :]
+            ptrs = folded_ptr + offs_n.to(tl.int64)[:, None, None] * K + ks[None, :, :]
+            for j in tl.static_range(W_LIMBS):
+                low = ((v + 128) & 255) - 128
+                tl.store(ptrs + j * plane, low.to(tl.int8), mask=mask[:, :, None])
+                v = (v - low) >> 8
+        tl.store(sum_ptr + offs_n, tl.sum(sums, axis=1), mask=mask_n)
+
+    @triton.jit
+    def combine_kernel(z_ptr, sum_ptr, e_ptr, emin_ptr, y_ptr, M, N, stride_zm, stride_ym,
+                       A_LIMBS: tl.constexpr, W_LIMBS: tl.constexpr, LIMB_OFFSET: tl.constexpr,
+                       OUT_MANT: tl.constexpr, OUT_EXP: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """cpu.accumulate's T = sum_{i,j} Z_ij << 8 (i + j) (+ LIMB_OFFSET * sum_k Wf) from the
+        one int8 GEMM Z [A_LIMBS * M, W_LIMBS * N] of the activation limbs by the folded digits,
+        rounded once into y."""
+        offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_m = offs_m < M
+        mask_n = offs_n < N
+        mask = mask_m[:, None] & mask_n[None, :]
+        t = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int64)
+        if A_LIMBS == 2:
+            t += LIMB_OFFSET * tl.load(sum_ptr + offs_n, mask=mask_n, other=0)[None, :]
+        for i in tl.static_range(A_LIMBS):
+            for j in tl.static_range(W_LIMBS):
+                z = tl.load(z_ptr + (i * M + offs_m).to(tl.int64)[:, None] * stride_zm
+                            + (j * N + offs_n)[None, :], mask=mask, other=0)
+                t += z.to(tl.int64) << (8 * (i + j))
+        store_rounded(t, e_ptr, emin_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, stride_ym,
+                      OUT_MANT, OUT_EXP)
 
 
 _INT = {32: tl.int32, 64: tl.int64} if triton is not None else {}  # widths of dataflow
@@ -215,6 +289,18 @@ def group_constants(w_bits: int, two_limbs: bool, out, block_n: int = BLOCK_N,
     return dict(W_BITS=w_bits, TWO_LIMBS=two_limbs, LIMB_OFFSET=dataflow.LIMB_OFFSET,
                 DOT_ACC=_INT[dataflow.DOT_ACC_BITS], COMBINE_ACC=_INT[dataflow.COMBINE_ACC_BITS],
                 OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits, BLOCK_M=block_m, BLOCK_N=block_n)
+
+
+def fold_constants(w_bits: int, w_limbs: int, block_n: int = FOLD_BLOCK_N,
+                   block_k: int = FOLD_BLOCK_K) -> dict:
+    """fold_kernel's compile-time constants."""
+    return dict(W_BITS=w_bits, W_LIMBS=w_limbs, BLOCK_N=block_n, BLOCK_K=block_k)
+
+
+def combine_constants(a_limbs: int, w_limbs: int, out, block: int = COMBINE_BLOCK) -> dict:
+    """combine_kernel's compile-time constants, output in `out` (a FloatFormat)."""
+    return dict(A_LIMBS=a_limbs, W_LIMBS=w_limbs, LIMB_OFFSET=dataflow.LIMB_OFFSET,
+                OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits, BLOCK_M=block, BLOCK_N=block)
 
 
 def quantize(x: torch.Tensor, act_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,4 +336,42 @@ def linear(limbs: torch.Tensor, e_r: torch.Tensor, weight_packed: torch.Tensor,
         m, n, k // GROUP_SIZE,
         limbs.stride(0), limbs.stride(1), weight_packed.stride(0), mantissa.stride(0), y.stride(0),
         **group_constants(w_bits, n_limbs == 2, out, block_n, block_m), num_warps=num_warps)
+    return y
+
+
+def folded_fits(m: int, n: int, k: int) -> bool:
+    """Whether linear_folded takes this shape: its int8 GEMM sums K products in int32
+    (dataflow.int_mm_bound), and cuBLAS's takes more than 16 rows, N and K multiples of 8."""
+    return (dataflow.int_mm_bound(k) < 2 ** (dataflow.DOT_ACC_BITS - 1) and m > 16
+            and n % 8 == 0 and k % 8 == 0)
+
+
+def linear_folded(limbs: torch.Tensor, e_r: torch.Tensor, weight_packed: torch.Tensor,
+                  mantissa: torch.Tensor, shift: torch.Tensor, emin: torch.Tensor, w_bits: int,
+                  w_limbs: int, out_dtype: torch.dtype) -> torch.Tensor:
+    """linear's y by the CPU fallback's dataflow (kernels/cpu.py), for many activation rows: the
+    scales folded into the weights' int8 digits (fold_kernel, per forward: nothing is kept), one
+    integer GEMM of every activation limb by every digit (torch._int_mm: the tensor cores at
+    full rate, with no per-group work), and the int64 combination with the one rounding
+    (combine_kernel). `w_limbs`: digits that hold every q * (mantissa << shift)
+    (dataflow.folded_weight_limbs); the shape must pass folded_fits."""
+    if triton is None:
+        raise RuntimeError("the Triton path needs the triton package (pip install triton)")
+    a_limbs, m, k = limbs.shape
+    n = weight_packed.shape[0]
+    if not folded_fits(m, n, k):
+        raise ValueError(f"linear_folded does not take M={m}, N={n}, K={k} (folded_fits)")
+    device = limbs.device
+    factor = mantissa.to(torch.int32) << shift.to(torch.int32)  # < 2**(8 + spread): int32
+    folded = torch.empty((w_limbs * n, k), dtype=torch.int8, device=device)
+    row_sum = torch.empty(n, dtype=torch.int64, device=device)
+    fold_kernel[(triton.cdiv(n, FOLD_BLOCK_N),)](
+        weight_packed, factor, folded, row_sum, n, k, weight_packed.stride(0), factor.stride(0),
+        **fold_constants(w_bits, w_limbs))
+    z = torch._int_mm(limbs.reshape(a_limbs * m, k), folded.t())  # [A * M, W * N] int32
+    out = float_format(out_dtype)
+    y = torch.empty((m, n), dtype=out_dtype, device=device)
+    grid = (triton.cdiv(m, COMBINE_BLOCK), triton.cdiv(n, COMBINE_BLOCK))
+    combine_kernel[grid](z, row_sum, e_r, emin.to(torch.int64), y.view(_BITS[out.width]), m, n,
+                         z.stride(0), y.stride(0), **combine_constants(a_limbs, w_limbs, out))
     return y
