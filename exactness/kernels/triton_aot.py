@@ -6,11 +6,13 @@ would pass there and break on a GPU. So every configuration the layer launches i
 for real targets down to PTX and cubin (Triton's bundled ptxas), and each int8 dot must lower to
 an integer tensor-core MMA (`mma.sync ... .s32.s8.s8.s32`, or on sm_90 from 64-row tiles on
 `wgmma ... .s32.s8.s8`). A compile error, or a group kernel without that MMA, is a failure;
-registers and spills are reported from ptxas. `--tiles` compiles the tiles bench/gpu_check.py
-times instead of the layer's launches.
+registers and spills are reported from ptxas, and the SASS instructions of each kernel's hot
+loop are counted (cuobjdump). `--tiles` compiles the tiles bench/gpu_check.py times instead of
+the layer's launches; `--aligned` compiles them as launched at Kimi's shapes, where Triton
+specializes on 16-divisible arguments (the counts docs/PERFORMANCE.md gives).
 
 The interpreter replaces the kernels, so this runs in a process without TRITON_INTERPRET:
-    python -m exactness.kernels.triton_aot [--arch 80 90] [--quick | --tiles] [--json]
+    python -m exactness.kernels.triton_aot [--arch 80 90] [--quick | --tiles] [--aligned] [--json]
 """
 
 from __future__ import annotations
@@ -151,7 +153,8 @@ def hot_loop(cubin: bytes, arch: int) -> list[str]:
 
 
 def compile_kernel(fn, types: dict, constants: dict, arch: int, name: str = "",
-                   config: str = "", needs_int_mma: bool = False, num_warps: int = 4) -> Compiled:
+                   config: str = "", needs_int_mma: bool = False, num_warps: int = 4,
+                   aligned: bool = False) -> Compiled:
     """`fn` (a @triton.jit function) compiled for sm_`arch`; never raises for a bad kernel."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -163,8 +166,15 @@ def compile_kernel(fn, types: dict, constants: dict, arch: int, name: str = "",
         record.error = "TRITON_INTERPRET is set: the kernels are interpreted, not compiled"
         return record
     signature = {arg: "constexpr" if arg in constants else types[arg] for arg in fn.arg_names}
+    # aligned: as a launch at Kimi's shapes, where Triton specializes the pointers and the
+    # arguments divisible by 16 (every K, N, G and stride there; not M), and vectorizes on it
+    attrs = {(fn.arg_names.index(arg),): [["tt.divisibility", 16]] for arg in signature
+             if aligned and signature[arg] != "constexpr"
+             and (signature[arg].startswith("*") or arg in ("K", "N", "G")
+                  or arg.startswith("stride_"))}
     source = ASTSource(fn, signature,
-                       constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()})
+                       constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},
+                       attrs=attrs)
     try:
         kernel = triton.compile(source, target=GPUTarget("cuda", arch, 32),
                                 options={"num_warps": num_warps})
@@ -197,7 +207,8 @@ def tuning_configurations() -> list[tuple[str, str, int, dict, int]]:
             for bm, bn, warps in triton_exact.TUNING_TILES]
 
 
-def compile_all(archs=ARCHS, quick: bool = False, tiles: bool = False) -> list[Compiled]:
+def compile_all(archs=ARCHS, quick: bool = False, tiles: bool = False,
+                aligned: bool = False) -> list[Compiled]:
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences 3.9's notice; no floats
     configs = (tuning_configurations() if tiles
                else [(*c, 4) for c in configurations(quick)])
@@ -206,7 +217,8 @@ def compile_all(archs=ARCHS, quick: bool = False, tiles: bool = False) -> list[C
         for kernel, config, width, constants, warps in configs:
             records.append(compile_kernel(getattr(triton_exact, kernel),
                                           _argument_types(kernel, width), constants, arch,
-                                          kernel, config, kernel == "exact_group_kernel", warps))
+                                          kernel, config, kernel == "exact_group_kernel", warps,
+                                          aligned))
     return records
 
 
@@ -225,13 +237,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="compute capabilities (80: A100, 90: H100/H200)")
     parser.add_argument("--quick", action="store_true", help="bf16, act_bits 8/16, int4 only")
     parser.add_argument("--json", action="store_true", help="the records as JSON on stdout")
+    parser.add_argument("--aligned", action="store_true",
+                        help="specialized as a launch at Kimi's shapes (16-divisible pointers, "
+                             "K, N, G, strides): the code whose loops docs/PERFORMANCE.md counts")
     parser.add_argument("--tiles", action="store_true",
                         help="instead: the group kernel at the tiles bench/gpu_check.py times")
     args = parser.parse_args(argv)
     if not triton_exact.available():
         print("triton is not installed", file=sys.stderr)
         return 2
-    records = compile_all(args.arch, args.quick, args.tiles)
+    records = compile_all(args.arch, args.quick, args.tiles, args.aligned)
     if args.json:
         print(json.dumps([asdict(r) for r in records]))
     else:

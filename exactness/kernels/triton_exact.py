@@ -142,29 +142,35 @@ if triton is not None:
         offs_k = tl.arange(0, BLOCK_K)
         mask_m = offs_m < M
         width: tl.constexpr = MANT + EXP + 1
-        amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int64)
+        # per element in int32 (16- and 32-bit patterns, significands < 2**24): half the
+        # instructions of int64; per row in int64
+        amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int32)
         for k0 in range(0, K, BLOCK_K):
             mask = mask_m[:, None] & (k0 + offs_k < K)[None, :]
             b = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask,
                         other=0)
-            amax = tl.maximum(amax, b.to(tl.int64) & ((1 << (width - 1)) - 1))
-        am, ae = decode(tl.max(amax, axis=1), MANT, EXP)
+            amax = tl.maximum(amax, b.to(tl.int32) & ((1 << (width - 1)) - 1))
+        am, ae = decode(tl.max(amax, axis=1).to(tl.int64), MANT, EXP)
         # the least t with am <= Qa * 2**t is t0 or t0 + 1 (t0 from the bit lengths)
         qmax = am * 0 + QMAX
         t0 = bit_length(am) - bit_length(qmax)
         fits = tl.where(t0 >= 0, am <= qmax << tl.maximum(t0, 0), am << tl.maximum(-t0, 0) <= qmax)
         e_r = tl.where(am == 0, 0, ae + t0 + tl.where(fits, 0, 1))
         tl.store(e_ptr + offs_m, e_r, mask=mask_m)
+        e_row = e_r.to(tl.int32)
         for k0 in range(0, K, BLOCK_K):
             mask = mask_m[:, None] & (k0 + offs_k < K)[None, :]
             b = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask,
-                        other=0)
-            m, e = decode(b.to(tl.int64) & ((1 << width) - 1), MANT, EXP)
-            s = e - e_r[:, None]
+                        other=0).to(tl.int32)
+            if width == 16:
+                b = b & 0xFFFF  # the pattern, not its sign extension
+            m, e = decode(b, MANT, EXP)
+            s = e - e_row[:, None]
             a = tl.abs(m)
-            # |m| < 2**25: right shifts past 26 give 0, so clipping them to 62 changes nothing
-            n = tl.where(s >= 0, a << tl.minimum(tl.maximum(s, 0), 62),
-                         rne_shift_right(a, tl.minimum(tl.maximum(-s, 0), 62)))
+            # a < 2**24: a right shift past 25 gives 0 and rounds to 0, so clipping shifts to 30
+            # changes nothing; a left shift is at most 15 (a * 2**s <= Qa)
+            n = tl.where(s >= 0, a << tl.minimum(tl.maximum(s, 0), 30),
+                         rne_shift_right(a, tl.minimum(tl.maximum(-s, 0), 30)))
             qa = tl.where(m < 0, -n, n)
             a_ptrs = a_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :]
             if TWO_LIMBS:  # qa - LIMB_OFFSET = hi * 256 + lo
