@@ -59,8 +59,8 @@ def main() -> int:
         bad += int(not (run(case, "triton") == run(case, "reference")).all())
     print(f"bit-exactness: {'OK' if bad == 0 else f'{bad} cases differ'}")
     print(f"| shape | M | exact ms (layer) | bf16 ms | ratio bf16/exact (speed-up) | "
-          f"group kernel ms | folded ms (triton_exact.FOLDED_MIN_ROWS = "
-          f"{triton_exact.FOLDED_MIN_ROWS}) |")
+          f"group kernel ms (K split as k_slices says / whole) | folded ms "
+          f"(triton_exact.FOLDED_MIN_ROWS = {triton_exact.FOLDED_MIN_ROWS}) |")
     for k, n in ((7168, 2048), (2048, 7168)):
         layer, w = kimi_on(k, n, "cuda")
         for m in (1, 16, 32, 64, 128, 512, 4096):
@@ -69,14 +69,15 @@ def main() -> int:
             group, folded, same = both_paths(layer, x)
             bad += not same
             print(f"| {k}->{n} | {m} | {exact:.3f} | {bf16:.3f} | {bf16 / exact:.2f} | "
-                  f"{group:.3f} | {folded}{'' if same else ' DIFFERENT BITS'} |")
+                  f"{group} | {folded}{'' if same else ' DIFFERENT BITS'} |")
     bad += tiles()
     return 1 if bad else 0
 
 
-def both_paths(layer, x, timer=None) -> tuple[float, str, bool]:
-    """The forward's two GPU paths on x, each without the layer's Python: the group kernel's ms,
-    linear_folded's ms (or why it does not take x) and whether their bits agree."""
+def both_paths(layer, x, timer=None) -> tuple[str, str, bool]:
+    """The forward's two GPU paths on x, each without the layer's Python: the group kernel's ms
+    (K split as k_slices says / whole), linear_folded's ms (or "-" where it does not take x) and
+    whether all their bits agree."""
     from exactness.dataflow import folded_weight_limbs
 
     timer = timer or cuda_ms
@@ -84,13 +85,16 @@ def both_paths(layer, x, timer=None) -> tuple[float, str, bool]:
     limbs, e_r = triton_exact.quantize(x, 16)
     args = (limbs, e_r, layer.weight_packed, cert.mantissa.to(x.device), cert.shift.to(x.device),
             cert.emin.to(x.device), 4)
-    group = timer(lambda: triton_exact.linear(*args, torch.bfloat16))
+    split = timer(lambda: triton_exact.linear(*args, torch.bfloat16))
+    whole = timer(lambda: triton_exact.linear(*args, torch.bfloat16, slices=1))
+    want = triton_exact.linear(*args, torch.bfloat16, slices=1).view(torch.int16)
+    same = bool((triton_exact.linear(*args, torch.bfloat16).view(torch.int16) == want).all())
+    group = f"{split:.3f} / {whole:.3f}"
     if not triton_exact.folded_fits(x.shape[0], layer.out_features, layer.in_features):
-        return group, "-", True
+        return group, "-", same
     digits = folded_weight_limbs(4, cert.fast_spread)
-    same = bool((triton_exact.linear(*args, torch.bfloat16).view(torch.int16)
-                 == triton_exact.linear_folded(*args, digits, torch.bfloat16).view(torch.int16)
-                 ).all())
+    same &= bool((triton_exact.linear_folded(*args, digits, torch.bfloat16).view(torch.int16)
+                  == want).all())
     folded = timer(lambda: triton_exact.linear_folded(*args, digits, torch.bfloat16))
     return group, f"{folded:.3f} ({digits} digits)", same
 

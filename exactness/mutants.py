@@ -308,9 +308,16 @@ CATALOGUE = (
     Mutant("vnni-rows-interleaved-wrong", "exactness.kernels.native:NativeWeights.__init__",
            ".permute(0, 2, 1, 3)", ".permute(0, 2, 1, 3).flip(2)",
            "weight rows swapped inside a 16-row vector block", (CPU, CPU_VECTORS)),
-    Mutant("kernel-tail-group-dropped", KERNEL, "for g in range(0, G):",
-           "for g in range(0, G - 1):", "the last group of K never accumulated",
-           (TRITON, TRITON_VECTORS)),
+    Mutant("kernel-tail-group-dropped", KERNEL, "for g in range(g_start, g_end):",
+           "for g in range(g_start, g_end - 1):", "the last group of each slice of K never "
+           "accumulated", (TRITON, TRITON_VECTORS)),
+    Mutant("kernel-k-slice-overwrites", KERNEL,
+           "tl.atomic_add(t_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(tl.int64),\n"
+           "                      mask=mask_m[:, None] & mask_n[None, :], sem=\"relaxed\")",
+           "tl.store(t_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(tl.int64),\n"
+           "                 mask=mask_m[:, None] & mask_n[None, :])",
+           "split K: a slice's partial T stored over the others' instead of added to them",
+           (TRITON, "tests/test_modules.py::test_the_group_kernels_k_split_changes_no_bit")),
     Mutant("kernel-int4-word-stride-hard-coded", KERNEL,
            "(g * W_BITS + word_of_k)", "(g * 4 + word_of_k)",
            "a group's word offset hard-coded for int4: 8-bit weights read from the wrong words",

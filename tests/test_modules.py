@@ -189,6 +189,24 @@ def test_vectors_through_the_triton_folded_path():
 
 
 @needs_triton
+@given(linear_cases(max_k=256, max_n=24, max_rows=5), st.integers(2, 8))
+def test_the_group_kernels_k_split_changes_no_bit(case, slices):
+    """The group kernel's T summed over slices of K (integer atomics, then combine_kernel's
+    rounding) has the whole launch's bits, at any number of slices."""
+    layer = layer_for(case, "triton")
+    x = bits_to_tensor(case.x_bits, case.x_format)
+    cert = layer.certificate
+    limbs, e_r = triton_exact.quantize(x, case.act_bits)
+    args = (limbs, e_r, layer.weight_packed, cert.mantissa, cert.shift, cert.emin, case.w_bits,
+            layer(x).dtype)
+    whole = tensor_to_bits(triton_exact.linear(*args, slices=1))
+    split = tensor_to_bits(triton_exact.linear(*args, slices=slices))
+    assert (split == whole).all()
+    fast = cert.fast.numpy()
+    check_bits(case, "triton", whole[:, fast], run(case, "reference")[:, fast])
+
+
+@needs_triton
 def test_the_gpu_checks_tile_table_runs(capsys):
     """bench/gpu_check.py's tile table, small and under the interpreter (a device run is scarce,
     so the script it runs is run here first): every tile of triton_exact.TUNING_TILES, with tails

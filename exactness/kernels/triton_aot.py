@@ -57,7 +57,7 @@ class Compiled:
         return f"{self.per_element:.1f}" if self.per_element >= 0 else "-"
 
 
-def _argument_types(kernel: str, width: int) -> dict:
+def _argument_types(kernel: str, width: int, z: str = "*i32") -> dict:
     """The launchers' runtime arguments (triton_exact.quantize / linear) as Triton types."""
     if kernel == "quantize_kernel":
         return dict(x_ptr=f"*i{width}", a_ptr="*i8", e_ptr="*i64", M="i32", K="i32",
@@ -65,45 +65,56 @@ def _argument_types(kernel: str, width: int) -> dict:
     if kernel == "fold_kernel":
         return dict(w_ptr="*i32", f_ptr="*i32", folded_ptr="*i8", sum_ptr="*i64", N="i32",
                     K="i32", stride_wn="i32", stride_fn="i32")
-    if kernel == "combine_kernel":
-        return dict(z_ptr="*i32", sum_ptr="*i64", e_ptr="*i64", emin_ptr="*i64",
+    if kernel == "combine_kernel":  # z: the int32 limb GEMMs, or a split launch's int64 T
+        return dict(z_ptr=z, sum_ptr="*i64", e_ptr="*i64", emin_ptr="*i64",
                     y_ptr=f"*i{width}", M="i32", N="i32", stride_zm="i32", stride_ym="i32")
     return dict(a_ptr="*i8", w_ptr="*i32", c_ptr="*i32", sh_ptr="*i32", e_ptr="*i64",
-                emin_ptr="*i64", y_ptr=f"*i{width}", M="i32", N="i32", G="i32",
-                stride_limb="i32", stride_am="i32", stride_wn="i32", stride_cn="i32",
-                stride_ym="i32")
+                emin_ptr="*i64", y_ptr=f"*i{width}", t_ptr="*i64", M="i32", N="i32", G="i32",
+                groups_per_slice="i32", stride_limb="i32", stride_am="i32", stride_wn="i32",
+                stride_cn="i32", stride_ym="i32")
 
 
-def configurations(quick: bool = False) -> list[tuple[str, str, int, dict]]:
-    """(kernel, description, bit width of the float argument, constants) for every launch the
-    layer makes; `quick`: bf16 only, act_bits 8 and 16, 4-bit weights."""
+def configurations(quick: bool = False) -> list[tuple[str, str, dict, dict]]:
+    """(kernel, description, argument types, constants) for every launch the layer makes;
+    `quick`: bf16 only, act_bits 8 and 16, 4-bit weights."""
     formats = [FORMATS["bfloat16"]] if quick else list(FORMATS.values())
     configs = []
     for fmt in formats:
         for act_bits in (8, 16) if quick else (4, 8, 16):
-            configs.append(("quantize_kernel", f"x {fmt.name}, act_bits {act_bits}", fmt.width,
+            configs.append(("quantize_kernel", f"x {fmt.name}, act_bits {act_bits}",
+                            _argument_types("quantize_kernel", fmt.width),
                             triton_exact.quantize_constants(fmt, act_bits,
                                                             triton_exact.GPU_BLOCK_K)))
     for w_bits in (4,) if quick else (4, 8):
         for two in (False, True):
             for out in formats:
-                configs.append(("exact_group_kernel",
-                                f"w_bits {w_bits}, {'two limbs' if two else 'one limb'}, "
-                                f"out {out.name}", out.width,
-                                triton_exact.group_constants(w_bits, two, out,
-                                                             triton_exact.GPU_BLOCK_N)))
+                for split in (False, True):
+                    configs.append(("exact_group_kernel",
+                                    f"w_bits {w_bits}, {'two limbs' if two else 'one limb'}, "
+                                    f"out {out.name}{', split K' * split}",
+                                    _argument_types("exact_group_kernel", out.width),
+                                    triton_exact.group_constants(w_bits, two, out,
+                                                                 triton_exact.GPU_BLOCK_N,
+                                                                 split=split)))
+    for out in formats:  # the split launches' rounding
+        configs.append(("combine_kernel", f"split K: T int64, out {out.name}",
+                        _argument_types("combine_kernel", out.width, z="*i64"),
+                        triton_exact.combine_constants(
+                            1, 1, out, triton_exact.GPU_COMBINE_BLOCK)))
     # linear_folded's kernels, at every digit count the certificate allows (quick: the Kimi case,
     # two digits for spreads up to 4 binades, 16-bit activations)
     digits = (2,) if quick else range(1, dataflow.MAX_WEIGHT_LIMBS + 1)
     for w_bits in (4,) if quick else (4, 8):
         for w_limbs in digits:
-            configs.append(("fold_kernel", f"w_bits {w_bits}, {w_limbs} digits", 32,
+            configs.append(("fold_kernel", f"w_bits {w_bits}, {w_limbs} digits",
+                            _argument_types("fold_kernel", 32),
                             triton_exact.fold_constants(w_bits, w_limbs, *triton_exact.GPU_FOLD)))
     for a_limbs in (2,) if quick else (1, 2):
         for w_limbs in digits:
             for out in formats:
                 configs.append(("combine_kernel", f"{a_limbs} x {w_limbs} limbs, out {out.name}",
-                                out.width, triton_exact.combine_constants(
+                                _argument_types("combine_kernel", out.width),
+                                triton_exact.combine_constants(
                                     a_limbs, w_limbs, out, triton_exact.GPU_COMBINE_BLOCK)))
     return configs
 
@@ -198,11 +209,12 @@ def compile_kernel(fn, types: dict, constants: dict, arch: int, name: str = "",
     return record
 
 
-def tuning_configurations() -> list[tuple[str, str, int, dict, int]]:
+def tuning_configurations() -> list[tuple[str, str, dict, dict, int]]:
     """The group kernel at triton_exact.TUNING_TILES (bf16 out, 4-bit weights, two limbs: the
     Kimi case), as configurations plus num_warps."""
     bf16 = FORMATS["bfloat16"]
-    return [("exact_group_kernel", f"{bm} x {bn}, {warps} warps", bf16.width,
+    return [("exact_group_kernel", f"{bm} x {bn}, {warps} warps",
+             _argument_types("exact_group_kernel", bf16.width),
              triton_exact.group_constants(4, True, bf16, bn, bm), warps)
             for bm, bn, warps in triton_exact.TUNING_TILES]
 
@@ -214,9 +226,8 @@ def compile_all(archs=ARCHS, quick: bool = False, tiles: bool = False,
                else [(*c, 4) for c in configurations(quick)])
     records = []
     for arch in archs:
-        for kernel, config, width, constants, warps in configs:
-            records.append(compile_kernel(getattr(triton_exact, kernel),
-                                          _argument_types(kernel, width), constants, arch,
+        for kernel, config, types, constants, warps in configs:
+            records.append(compile_kernel(getattr(triton_exact, kernel), types, constants, arch,
                                           kernel, config, kernel == "exact_group_kernel", warps,
                                           aligned))
     return records

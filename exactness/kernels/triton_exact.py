@@ -18,6 +18,7 @@ bit for bit against the reference.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -43,6 +44,10 @@ BLOCK_K = 1024 if INTERPRETED else GPU_BLOCK_K  # activations per row and step o
 # ~3 KiB, their int64 accumulators too many for the registers)
 TUNING_TILES = ((16, 64, 4), (32, 64, 4), (32, 128, 4), (64, 64, 8), (128, 32, 8), (128, 64, 8),
                 (64, 128, 8))
+# The group kernel's slices of K (k_slices): programs to aim at under the interpreter (on a GPU:
+# twice its SMs) and the fewest groups a slice, so that the suite runs split and whole launches
+INTERPRETED_PROGRAMS = 4
+MIN_SLICE_GROUPS = 1 if INTERPRETED else 8
 # The folded path (linear_folded): fold_kernel's rows and k per step, combine_kernel's tile
 GPU_FOLD, GPU_COMBINE_BLOCK = (16, 128), 32  # no spills (triton_aot)
 FOLD_BLOCK_N, FOLD_BLOCK_K = (64, 1024) if INTERPRETED else GPU_FOLD
@@ -183,16 +188,21 @@ if triton is not None:
 
     @triton.jit
     def exact_group_kernel(
-        a_ptr, w_ptr, c_ptr, sh_ptr, e_ptr, emin_ptr, y_ptr,
-        M, N, G,
+        a_ptr, w_ptr, c_ptr, sh_ptr, e_ptr, emin_ptr, y_ptr, t_ptr,
+        M, N, G, groups_per_slice,
         stride_limb, stride_am, stride_wn, stride_cn, stride_ym,
         W_BITS: tl.constexpr, TWO_LIMBS: tl.constexpr, LIMB_OFFSET: tl.constexpr,
         DOT_ACC: tl.constexpr, COMBINE_ACC: tl.constexpr,
         OUT_MANT: tl.constexpr, OUT_EXP: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
     ):
+        """The tile's T over the groups of its slice of K (program_id 2; one slice unless SPLIT),
+        rounded here, or (SPLIT) added into t [M, N] int64 by integer atomics: exact in any
+        order, the rounding left to combine_kernel."""
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        g_start = tl.program_id(2) * groups_per_slice
+        g_end = tl.minimum(G, g_start + groups_per_slice)
         offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, 32)
@@ -202,7 +212,7 @@ if triton is not None:
         word_of_k = offs_k // per_word
         shift_of_k = (offs_k % per_word) * W_BITS
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=COMBINE_ACC)
-        for g in range(0, G):
+        for g in range(g_start, g_end):
             words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (g * W_BITS + word_of_k)[None, :],
                             mask=mask_n[:, None], other=0)
             # the stored field is q + 2**(bits-1); the mask drops the sign-extended high bits
@@ -218,8 +228,12 @@ if triton is not None:
             c = tl.load(c_ptr + offs_n * stride_cn + g, mask=mask_n, other=0).to(COMBINE_ACC)
             sh = tl.load(sh_ptr + offs_n * stride_cn + g, mask=mask_n, other=0).to(COMBINE_ACC)
             acc += (p.to(COMBINE_ACC) * c[None, :]) << sh[None, :]
-        store_rounded(acc.to(tl.int64), e_ptr, emin_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n,
-                      stride_ym, OUT_MANT, OUT_EXP)
+        if SPLIT:
+            tl.atomic_add(t_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(tl.int64),
+                          mask=mask_m[:, None] & mask_n[None, :], sem="relaxed")
+        else:
+            store_rounded(acc.to(tl.int64), e_ptr, emin_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n,
+                          stride_ym, OUT_MANT, OUT_EXP)
 
     @triton.jit
     def fold_kernel(w_ptr, f_ptr, folded_ptr, sum_ptr, N, K, stride_wn, stride_fn,
@@ -260,7 +274,8 @@ if triton is not None:
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """cpu.accumulate's T = sum_{i,j} Z_ij << 8 (i + j) (+ LIMB_OFFSET * sum_k Wf) from the
         one int8 GEMM Z [A_LIMBS * M, W_LIMBS * N] of the activation limbs by the folded digits,
-        rounded once into y."""
+        rounded once into y; with one plane of each (A_LIMBS = W_LIMBS = 1), the rounding of an
+        int64 T that the group kernel's K slices summed (split K)."""
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M
@@ -290,11 +305,12 @@ def quantize_constants(fmt, act_bits: int, block_k: int = BLOCK_K) -> dict:
 
 
 def group_constants(w_bits: int, two_limbs: bool, out, block_n: int = BLOCK_N,
-                    block_m: int = BLOCK_M) -> dict:
+                    block_m: int = BLOCK_M, split: bool = False) -> dict:
     """exact_group_kernel's compile-time constants, output in `out` (a FloatFormat)."""
     return dict(W_BITS=w_bits, TWO_LIMBS=two_limbs, LIMB_OFFSET=dataflow.LIMB_OFFSET,
                 DOT_ACC=_INT[dataflow.DOT_ACC_BITS], COMBINE_ACC=_INT[dataflow.COMBINE_ACC_BITS],
-                OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits, BLOCK_M=block_m, BLOCK_N=block_n)
+                OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits, BLOCK_M=block_m, BLOCK_N=block_n,
+                SPLIT=split)
 
 
 def fold_constants(w_bits: int, w_limbs: int, block_n: int = FOLD_BLOCK_N,
@@ -325,24 +341,51 @@ def quantize(x: torch.Tensor, act_bits: int) -> tuple[torch.Tensor, torch.Tensor
 def linear(limbs: torch.Tensor, e_r: torch.Tensor, weight_packed: torch.Tensor,
            mantissa: torch.Tensor, shift: torch.Tensor, emin: torch.Tensor, w_bits: int,
            out_dtype: torch.dtype, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
-           num_warps: int = 4) -> torch.Tensor:
+           num_warps: int = 4, slices: int | None = None) -> torch.Tensor:
     """y [M, N] of `out_dtype` from activation limbs [L, M, K] int8, their row exponents and the
     certified scale parts (`mantissa`, `shift` int32 [N, G], zero for rows the certificate sends
     elsewhere; `emin` [N]). The tile (block_m x block_n outputs per program, powers of two, at
-    least 16) and num_warps change the speed, never the bits (bench/gpu_check.py compares them)."""
+    least 16), num_warps and the slices of K (None: k_slices) change the speed, never the bits
+    (bench/gpu_check.py compares them)."""
     if triton is None:
         raise RuntimeError("the Triton path needs the triton package (pip install triton)")
     n_limbs, m, k = limbs.shape
     n = weight_packed.shape[0]
     out = float_format(out_dtype)
-    y = torch.empty((m, n), dtype=out_dtype, device=limbs.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
-    exact_group_kernel[grid](
-        limbs, weight_packed, mantissa, shift, e_r, emin.to(torch.int64), y.view(_BITS[out.width]),
-        m, n, k // GROUP_SIZE,
+    device = limbs.device
+    y = torch.empty((m, n), dtype=out_dtype, device=device)
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    groups = k // GROUP_SIZE
+    per_slice = triton.cdiv(groups, slices if slices else k_slices(tiles, groups, device))
+    split = per_slice < groups
+    t = torch.zeros((m, n), dtype=torch.int64, device=device) if split else y
+    emin = emin.to(torch.int64)
+    y_bits = y.view(_BITS[out.width])
+    exact_group_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n),
+                        triton.cdiv(groups, per_slice))](
+        limbs, weight_packed, mantissa, shift, e_r, emin, y_bits, t, m, n, groups, per_slice,
         limbs.stride(0), limbs.stride(1), weight_packed.stride(0), mantissa.stride(0), y.stride(0),
-        **group_constants(w_bits, n_limbs == 2, out, block_n, block_m), num_warps=num_warps)
+        **group_constants(w_bits, n_limbs == 2, out, block_n, block_m, split), num_warps=num_warps)
+    if split:
+        combine_kernel[(triton.cdiv(m, COMBINE_BLOCK), triton.cdiv(n, COMBINE_BLOCK))](
+            t, t, e_r, emin, y_bits, m, n, t.stride(0), y.stride(0),
+            **combine_constants(1, 1, out))
     return y
+
+
+def k_slices(tiles: int, groups: int, device: torch.device) -> int:
+    """How many slices of K the group kernel splits into for `tiles` output tiles: enough
+    programs for twice the GPU's SMs (a few rows leave most SMs idle otherwise: 32 tiles at
+    Kimi's gate/up), MIN_SLICE_GROUPS a slice at least; under the interpreter
+    INTERPRETED_PROGRAMS."""
+    target = (2 * _multiprocessors(device.index) if device.type == "cuda"
+              else INTERPRETED_PROGRAMS)
+    return max(1, min(groups // MIN_SLICE_GROUPS, triton.cdiv(target, tiles)))
+
+
+@functools.cache
+def _multiprocessors(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index or 0).multi_processor_count
 
 
 def folded_fits(m: int, n: int, k: int) -> bool:
