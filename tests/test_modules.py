@@ -13,7 +13,7 @@ from exactness import ExactLinear, PackedInt4Linear
 from exactness.cases import LinearCase, load_vectors
 from exactness.contract import BFLOAT16, FLOAT32, FORMATS
 from exactness.counterexamples import check_bits
-from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits
+from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits, torch_dtype
 from exactness.kernels import native, triton_exact
 from exactness.paths import available_paths, layer_for, run
 from exactness.strategies import (
@@ -172,6 +172,7 @@ def taking_folded():
 
 
 @needs_triton
+@settings(max_examples=max(10, settings.default.max_examples // 2))  # each example is 64 rows
 @given(linear_cases(max_k=128, max_n=40, max_rows=20))
 def test_triton_folded_path_matches_reference(case):
     case, _, _ = folded_case(case)
@@ -189,21 +190,20 @@ def test_vectors_through_the_triton_folded_path():
 
 
 @needs_triton
+@settings(max_examples=max(10, settings.default.max_examples // 3))  # the kernels, no reference
 @given(linear_cases(max_k=256, max_n=24, max_rows=5), st.integers(2, 8))
 def test_the_group_kernels_k_split_changes_no_bit(case, slices):
     """The group kernel's T summed over slices of K (integer atomics, then combine_kernel's
-    rounding) has the whole launch's bits, at any number of slices."""
+    rounding) has the whole launch's bits, at any number of slices (the layer's own split is
+    checked against the reference by every Triton test: the interpreter splits small launches)."""
     layer = layer_for(case, "triton")
     x = bits_to_tensor(case.x_bits, case.x_format)
     cert = layer.certificate
     limbs, e_r = triton_exact.quantize(x, case.act_bits)
     args = (limbs, e_r, layer.weight_packed, cert.mantissa, cert.shift, cert.emin, case.w_bits,
-            layer(x).dtype)
+            torch_dtype(case.out_format))
     whole = tensor_to_bits(triton_exact.linear(*args, slices=1))
-    split = tensor_to_bits(triton_exact.linear(*args, slices=slices))
-    assert (split == whole).all()
-    fast = cert.fast.numpy()
-    check_bits(case, "triton", whole[:, fast], run(case, "reference")[:, fast])
+    assert (tensor_to_bits(triton_exact.linear(*args, slices=slices)) == whole).all()
 
 
 @needs_triton
