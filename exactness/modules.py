@@ -221,7 +221,7 @@ class _PackedExactLinear(nn.Module):
                         cert.shift.to(x.device), cert.emin.to(x.device), self.bits)
                 if (x2.shape[0] >= triton_exact.FOLDED_MIN_ROWS
                         and triton_exact.folded_fits(x2.shape[0], n, k)
-                        and cpu.int_mm_exact(x.device.type)):
+                        and cpu.int_mm_exact(str(x.device))):
                     y = triton_exact.linear_folded(
                         *args, dataflow.folded_weight_limbs(self.bits, cert.fast_spread),
                         out_dtype)

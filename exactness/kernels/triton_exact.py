@@ -358,7 +358,7 @@ def linear(limbs: torch.Tensor, e_r: torch.Tensor, weight_packed: torch.Tensor,
     groups = k // GROUP_SIZE
     per_slice = triton.cdiv(groups, slices if slices else k_slices(tiles, groups, device))
     split = per_slice < groups
-    t = torch.zeros((m, n), dtype=torch.int64, device=device) if split else y
+    t = torch.zeros((m, n), dtype=torch.int64, device=device) if split else y  # y: unused
     emin = emin.to(torch.int64)
     y_bits = y.view(_BITS[out.width])
     exact_group_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n),
