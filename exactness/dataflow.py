@@ -103,15 +103,21 @@ def int_mm_bound(k: int) -> int:
 
 
 def folded_weight_limbs(w_bits: int, spread: int) -> int:
-    """How many int8 digits hold every folded weight q * ms << shift with shift <= spread."""
-    mant = 2**SCALE_MANT_BITS - 1
-    return weight_limbs_needed(-(2 ** (w_bits - 1)) * mant << spread,
-                               (2 ** (w_bits - 1) - 1) * mant << spread)
+    """How many int8 digits hold every folded weight q * ms << shift with shift <= spread, for
+    scales of either sign: |q| <= 2**(w_bits - 1) and |ms| < 2**SCALE_MANT_BITS (q = -8 with a
+    negative scale folds to +2040, past 7 * 255)."""
+    fold_max = 2 ** (w_bits - 1) * (2**SCALE_MANT_BITS - 1) << spread
+    return weight_limbs_needed(-fold_max, fold_max)
 
 
 def max_folded_spread(w_bits: int) -> int:
-    """The largest spread whose folded weights q * ms << spread fit MAX_WEIGHT_LIMBS int8 limbs."""
+    """The largest spread whose folded weights q * ms << spread fit MAX_WEIGHT_LIMBS int8 limbs
+    for positive scales (a row with negative ones may need one more: the CPU path sizes its digits
+    from the weights, the GPU's by folded_weight_limbs)."""
+    lo, hi = -(2 ** (w_bits - 1)), 2 ** (w_bits - 1) - 1
+    mant = 2**SCALE_MANT_BITS - 1
     spread = -1
-    while folded_weight_limbs(w_bits, spread + 1) <= MAX_WEIGHT_LIMBS:
+    while weight_limbs_needed(lo * mant << (spread + 1),
+                              hi * mant << (spread + 1)) <= MAX_WEIGHT_LIMBS:
         spread += 1
     return spread

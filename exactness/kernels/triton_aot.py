@@ -102,8 +102,9 @@ def configurations(quick: bool = False) -> list[tuple[str, str, dict, dict]]:
                         triton_exact.combine_constants(
                             1, 1, out, triton_exact.GPU_COMBINE_BLOCK)))
     # linear_folded's kernels, at every digit count the certificate allows (quick: the Kimi case,
-    # two digits for spreads up to 4 binades, 16-bit activations)
-    digits = (2,) if quick else range(1, dataflow.MAX_WEIGHT_LIMBS + 1)
+    # two digits for spreads up to 3, 16-bit activations)
+    most = max(dataflow.folded_weight_limbs(b, dataflow.max_folded_spread(b)) for b in (4, 8))
+    digits = (2,) if quick else range(1, most + 1)
     for w_bits in (4,) if quick else (4, 8):
         for w_limbs in digits:
             configs.append(("fold_kernel", f"w_bits {w_bits}, {w_limbs} digits",
