@@ -102,11 +102,16 @@ def int_mm_bound(k: int) -> int:
     return k * 128 * 128
 
 
+def folded_weight_max(w_bits: int, spread: int) -> int:
+    """The largest |q * ms << shift| with shift <= spread, for scales of either sign:
+    |q| <= 2**(w_bits - 1) and |ms| < 2**SCALE_MANT_BITS (q = -8 with a negative scale folds to
+    +2040, past 7 * 255)."""
+    return 2 ** (w_bits - 1) * (2**SCALE_MANT_BITS - 1) << spread
+
+
 def folded_weight_limbs(w_bits: int, spread: int) -> int:
-    """How many int8 digits hold every folded weight q * ms << shift with shift <= spread, for
-    scales of either sign: |q| <= 2**(w_bits - 1) and |ms| < 2**SCALE_MANT_BITS (q = -8 with a
-    negative scale folds to +2040, past 7 * 255)."""
-    fold_max = 2 ** (w_bits - 1) * (2**SCALE_MANT_BITS - 1) << spread
+    """How many int8 digits hold every folded weight q * ms << shift with shift <= spread."""
+    fold_max = folded_weight_max(w_bits, spread)
     return weight_limbs_needed(-fold_max, fold_max)
 
 

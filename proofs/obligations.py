@@ -336,7 +336,7 @@ def cpu_int_mm(k: int, dot_bits: int) -> Obligation:
 def cpu_combine(w_bits: int, a_bits: int, k: int, spread: int) -> Obligation:
     """T = sum_{i,j} Z_ij << 8 (i + j) (+ 128 * rowsum) in int64, term by term: cpu.accumulate
     and the GPU's triton_exact.combine_kernel (linear_folded), the same dataflow."""
-    fold_max = 2 ** (w_bits - 1) * (2**dataflow.SCALE_MANT_BITS - 1) << spread
+    fold_max = dataflow.folded_weight_max(w_bits, spread)
     limbs_w = dataflow.folded_weight_limbs(w_bits, spread)
     limbs_a = dataflow.act_limbs(a_bits)
     bits = dataflow.COMBINE_ACC_BITS

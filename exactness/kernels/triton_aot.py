@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import subprocess
@@ -198,10 +199,9 @@ def compile_kernel(fn, types: dict, constants: dict, arch: int, name: str = "",
     record.shared_bytes = kernel.metadata.shared
     record.registers, record.spill_bytes = _ptxas_usage(ptx, arch)
     record.loop_instructions = len(hot_loop(kernel.asm["cubin"], arch))
-    # elements of one loop step: outputs (a group of 32 each), weights, or activations
-    step = (constants.get("BLOCK_M", 1) * constants.get("BLOCK_N", 1)
-            * (1 if name == "exact_group_kernel" else constants.get("BLOCK_K", 1))
-            // (constants.get("BLOCK_M", 1) if name == "fold_kernel" else 1))
+    # elements of one loop step, the product of the kernel's tile sides: outputs (a group of 32
+    # each: BLOCK_M x BLOCK_N), weights (BLOCK_N x BLOCK_K) or activations (BLOCK_M x BLOCK_K)
+    step = math.prod(v for k, v in constants.items() if k.startswith("BLOCK_"))
     if record.loop_instructions > 0:
         record.per_element = record.loop_instructions * 32 * num_warps / step
     record.ok = bool(record.int_mma) or not needs_int_mma
