@@ -1,7 +1,7 @@
 """GPU check, in one run: bit-exactness of the Triton kernel on CUDA against the reference, then
 kernel vs torch bf16 matmul timings (CUDA events, median), as ratios, with the forward's two GPU
 paths side by side (the group kernel; linear_folded, taken from triton_exact.FOLDED_MIN_ROWS
-rows), then the group kernel's other tiles and warp counts at M = 128 and 4096 (same bits, their
+rows), then the group kernel's other tiles and warp counts at M = 16, 128 and 4096 (same bits, their
 times), so that one run on a lent GPU also says which launch and crossover to make the default.
 Prints tables; exit 1 on any differing bit."""
 
@@ -83,8 +83,7 @@ def both_paths(layer, x, timer=None) -> tuple[str, str, bool]:
     timer = timer or cuda_ms
     cert = layer.certificate
     limbs, e_r = triton_exact.quantize(x, 16)
-    args = (limbs, e_r, layer.weight_packed, cert.mantissa.to(x.device), cert.shift.to(x.device),
-            cert.emin.to(x.device), 4)
+    args = (limbs, e_r, layer.weight_packed, *layer.gpu_weights(x.device), 4)
     split = timer(lambda: triton_exact.linear(*args, torch.bfloat16))
     whole = timer(lambda: triton_exact.linear(*args, torch.bfloat16, slices=1))
     want = triton_exact.linear(*args, torch.bfloat16, slices=1).view(torch.int16)
@@ -99,7 +98,7 @@ def both_paths(layer, x, timer=None) -> tuple[str, str, bool]:
     return group, f"{folded:.3f} ({digits} digits)", same
 
 
-def tiles(shapes=((7168, 2048), (2048, 7168)), batches=(128, 4096), device="cuda",
+def tiles(shapes=((7168, 2048), (2048, 7168)), batches=(16, 128, 4096), device="cuda",
           timer=None) -> int:
     """The group kernel alone at other tiles: bits against the default launch, and times (the
     quantize kernel's time apart). Returns how many launches gave other bits. (The suite runs it
@@ -110,9 +109,8 @@ def tiles(shapes=((7168, 2048), (2048, 7168)), batches=(128, 4096), device="cuda
     for k, n in shapes:
         layer, w = kimi_on(k, n, device)
         layer(torch.zeros(1, k, device=device).bfloat16())  # derives the certificate
-        cert = layer._certificate
-        args = (layer.weight_packed, cert.mantissa.to(device), cert.shift.to(device),
-                cert.emin.to(device), 4, torch.bfloat16)
+        args = (layer.weight_packed, *layer.gpu_weights(torch.device(device)), 4,
+                torch.bfloat16)
         for m in batches:
             x = torch.randn(m, k, device=device).bfloat16()
             limbs, e_r = triton_exact.quantize(x, 16)

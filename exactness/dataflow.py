@@ -3,14 +3,18 @@
 The reference, the kernels and the proofs all read these numbers, so changing a width here changes
 what the code does and what is proved about it.
 
-Dataflow of one output y[r, n] (contract section 4):
+Dataflow of one output y[r, n] (contract section 4), in the GPU group kernel's order:
   1. activation limbs: qa (|qa| <= Qa) is split into int8 limbs; 16-bit activations as
      qa - LIMB_OFFSET = hi * 256 + lo (hi, lo in [-128, 127]) since [-32767, 32767] shifted by
      128 fits the 65536 values two signed limbs span, while unshifted 32767 would need hi = 128;
   2. group dot: D = sum_{k in group} limb * qw (int8 x int8 -> DOT_ACC_BITS), then
-     P = 256 * D_hi + D_lo + LIMB_OFFSET * sum_k qw (exact in DOT_ACC_BITS);
-  3. combine: T = sum_g (P * ms[n, g]) << (es[n, g] - emin[n]) in COMBINE_ACC_BITS, where the bf16
-     scale is ms * 2**es, |ms| < 2**SCALE_MANT_BITS; y = RNE(T * 2**(e_r + emin[n])).
+     P' = 256 * D_hi + D_lo (exact in DOT_ACC_BITS), so that the group's P = sum_k qa * qw is
+     P' + LIMB_OFFSET * sum_k qw (one limb: P' = P);
+  3. combine: with the bf16 scale ms * 2**es (|ms| < 2**SCALE_MANT_BITS) and its factor
+     f = ms << (es - emin[n]) (a FACTOR_BITS integer), T = sum_g P' * f + LIMB_OFFSET * R[n] in
+     COMBINE_ACC_BITS, where R[n] = sum_k qw * f is derived once per weights (the limb offset
+     leaves no per-group work); y = RNE(T * 2**(e_r + emin[n])). T is the contract's
+     sum_g P * f; the partial sums on the way, in any order of groups, stay within combine_bound.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ LIMB_OFFSET = 128
 DOT_ACC_BITS = 32
 COMBINE_ACC_BITS = 64
 SCALE_MANT_BITS = 8  # bf16 significand with the hidden bit: |ms| <= 255
+FACTOR_BITS = 32  # f = ms << shift as the kernels hold it (int32 for certified spreads: proved)
 
 
 def act_limbs(act_bits: int) -> int:
@@ -29,11 +34,23 @@ def act_limbs(act_bits: int) -> int:
     return 1 if act_qmax(act_bits) < 2 ** (LIMB_BITS - 1) else 2
 
 
+def limb_offset_sum_bound(w_bits: int, act_bits: int) -> int:
+    """Worst |LIMB_OFFSET * sum_k qw| of one group: the part of P that step 3 adds once per row."""
+    return LIMB_OFFSET * GROUP_SIZE * 2 ** (w_bits - 1) if act_limbs(act_bits) == 2 else 0
+
+
+def group_term_bound(w_bits: int, act_bits: int) -> int:
+    """Worst |P'| of one group (step 2): P' = P - LIMB_OFFSET * sum_k qw."""
+    return group_dot_bound(w_bits, act_bits) + limb_offset_sum_bound(w_bits, act_bits)
+
+
 def combine_bound(k: int, w_bits: int, act_bits: int, spread: int) -> int:
-    """Worst |T| of step 3 for K inputs and a per-row scale-exponent spread `spread`."""
+    """Worst |T| of step 3, and of every partial sum on the way (each group's P' * f, the offset
+    sum's LIMB_OFFSET * sum_k qw * f), for K inputs and a per-row scale-exponent spread."""
     check_weight_bits(w_bits)
     groups = k // GROUP_SIZE
-    return groups * (2**SCALE_MANT_BITS - 1) * group_dot_bound(w_bits, act_bits) << spread
+    per_group = group_term_bound(w_bits, act_bits) + limb_offset_sum_bound(w_bits, act_bits)
+    return groups * (2**SCALE_MANT_BITS - 1) * per_group << spread
 
 
 def max_safe_spread(k: int, w_bits: int, act_bits: int, acc_bits: int = COMBINE_ACC_BITS) -> int:
@@ -126,3 +143,10 @@ def max_folded_spread(w_bits: int) -> int:
                               hi * mant << (spread + 1)) <= MAX_WEIGHT_LIMBS:
         spread += 1
     return spread
+
+
+def certified_spread(k: int, w_bits: int, act_bits: int,
+                     acc_bits: int = COMBINE_ACC_BITS) -> int:
+    """The largest scale-exponent spread of a weight row that the fast paths take: its combine
+    fits `acc_bits` and its folded weights MAX_WEIGHT_LIMBS digits (modules.certify)."""
+    return min(max_safe_spread(k, w_bits, act_bits, acc_bits), max_folded_spread(w_bits))

@@ -46,15 +46,14 @@ BACKENDS = ("auto", "cpu", "triton")
 class Certificate:
     """What the fast paths need of the scales, and which weight rows they hold exactly.
 
-    A row is fast when its scale-exponent spread fits both the int64 combine
-    (dataflow.max_safe_spread) and the CPU path's folded limbs (dataflow.max_folded_spread);
-    other rows take the exact reference path.
+    A row is fast when its scale-exponent spread is within dataflow.certified_spread (the int64
+    combine and the folded weights' digits both hold it); other rows take the exact reference
+    path.
     """
 
     emin: torch.Tensor  # [N] int64: least exponent of the row's nonzero scales (0 if none)
     spread: torch.Tensor  # [N] int64
-    mantissa: torch.Tensor  # [N, G] int32, 0 on slow rows
-    shift: torch.Tensor  # [N, G] int32: es - emin, 0 on slow rows
+    factor: torch.Tensor  # [N, G] int32: ms << (es - emin), 0 on slow rows (dataflow step 3)
     fast: torch.Tensor  # [N] bool
     spread_limit: int
     slow_rows: torch.Tensor  # [N_slow] int64, the rows not fast (found once, not per forward)
@@ -68,11 +67,12 @@ class Certificate:
 
 def certify(weight_scale: torch.Tensor, k: int, w_bits: int, act_bits: int) -> Certificate:
     ms, shift, emin, spread = split_scales(float_bits(weight_scale))
-    limit = min(dataflow.max_safe_spread(k, w_bits, act_bits), dataflow.max_folded_spread(w_bits))
+    limit = dataflow.certified_spread(k, w_bits, act_bits)
     fast = spread <= limit
+    # an int32 for every certified spread (proved: scale-factor)
     keep = fast[:, None]
-    return Certificate(emin, spread, torch.where(keep, ms, 0).to(torch.int32),
-                       torch.where(keep, shift, 0).to(torch.int32), fast, limit,
+    factor = torch.where(keep, ms.to(torch.int64) << torch.where(keep, shift, 0), 0)
+    return Certificate(emin, spread, factor.to(torch.int32), fast, limit,
                        torch.nonzero(~fast).flatten().cpu(),
                        int(torch.where(fast, spread, 0).max()) if spread.numel() else 0)
 
@@ -107,7 +107,7 @@ class _PackedExactLinear(nn.Module):
         self.register_buffer("weight_shape", torch.tensor([n, k], dtype=torch.int64, device=device))
         self._derived_key = None
         self._certificate: Certificate | None = None
-        self._cpu_layouts: dict[type, object] = {}  # FoldedWeights / NativeWeights, built lazily
+        self._layouts: dict = {}  # each path's derived weights, built on first use
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -162,7 +162,7 @@ class _PackedExactLinear(nn.Module):
         check_finite(float_bits(self.weight_scale), BFLOAT16, "weight_scale")
         self._certificate = certify(self.weight_scale, self.in_features, self.bits,
                                     self.act_bits)
-        self._cpu_layouts = {}
+        self._layouts = {}
         self._derived_key = self._key()
 
     def _unpacked(self) -> torch.Tensor:
@@ -170,20 +170,31 @@ class _PackedExactLinear(nn.Module):
                                                self.in_features))
 
     def _cpu_layout(self, layout: type):
-        """The CPU kernel's derived weights (`layout`(q, mantissa, shift)), built on first use."""
-        if layout not in self._cpu_layouts:
+        """The CPU kernel's derived weights (`layout`(q, factor)), built on first use."""
+        if layout not in self._layouts:
+            self._layouts[layout] = layout(self._unpacked(), self._certificate.factor.cpu())
+        return self._layouts[layout]
+
+    def gpu_weights(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The Triton path's (factor, offset_sums, emin) on `device`, built on first use."""
+        self._derive()
+        key = ("triton", device)
+        if key not in self._layouts:
             cert = self._certificate
-            self._cpu_layouts[layout] = layout(self._unpacked(), cert.mantissa.cpu(),
-                                               cert.shift.cpu())
-        return self._cpu_layouts[layout]
+            factor = cert.factor.to(device)
+            self._layouts[key] = (factor, triton_exact.offset_sums(
+                self.weight_packed.to(device), factor, self.bits), cert.emin.to(device))
+        return self._layouts[key]
 
     def derived_nbytes(self) -> int:
         """Bytes of derived tensors held now: the certificate, the CPU kernels' weights."""
         self._derive()
         cert = self._certificate
         total = sum(t.numel() * t.element_size()
-                    for t in (cert.emin, cert.spread, cert.mantissa, cert.shift, cert.fast))
-        return total + sum(d.nbytes for d in self._cpu_layouts.values())
+                    for t in (cert.emin, cert.spread, cert.factor, cert.fast))
+        return total + sum(sum(t.numel() * t.element_size() for t in layout)
+                           if isinstance(layout, tuple) else layout.nbytes
+                           for layout in self._layouts.values())
 
     # ----------------------------------------------------------------- forward
 
@@ -217,8 +228,7 @@ class _PackedExactLinear(nn.Module):
                 check_finite(float_bits(x2), x_format, "x")  # raises, with the count and index
             if path == "triton":
                 limbs, e_r = triton_exact.quantize(x2, self.act_bits)
-                args = (limbs, e_r, self.weight_packed, cert.mantissa.to(x.device),
-                        cert.shift.to(x.device), cert.emin.to(x.device), self.bits)
+                args = (limbs, e_r, self.weight_packed, *self.gpu_weights(x.device), self.bits)
                 if (x2.shape[0] >= triton_exact.FOLDED_MIN_ROWS
                         and triton_exact.folded_fits(x2.shape[0], n, k)
                         and cpu.int_mm_exact(str(x.device))):

@@ -37,24 +37,29 @@ def simulate(case: LinearCase, dot_bits: int | None = None,
     v = qa.astype(object) - (dataflow.LIMB_OFFSET if two else 0)
     lo = (v + 128) % 256 - 128
     hi = (v - lo) // 256
+    factor = wrap(ms.astype(object) << shift.astype(object), dataflow.FACTOR_BITS)
     out = np.zeros((m, q.shape[0]), dtype=np.int64)
-    for r in range(m):
-        for n in range(q.shape[0]):
+    for n in range(q.shape[0]):
+        row_sum = 0  # R[n] = sum_k q * f, the limb offset's part (derived once per weights)
+        for g in range(groups):
+            ks = slice(GROUP_SIZE * g, GROUP_SIZE * (g + 1))
+            row_sum = wrap(row_sum + int(q[n, ks].sum()) * factor[n, g], combine_bits)
+        for r in range(m):
             acc = 0
             for g in range(groups):
                 ks = slice(GROUP_SIZE * g, GROUP_SIZE * (g + 1))
                 p = 0
                 for a, w in zip(lo[r, ks], q[n, ks], strict=True):
                     p = wrap(p + a * w, dot_bits)
-                if two:
+                if two:  # P' = 256 * D_hi + D_lo
                     d_hi = 0
                     for a, w in zip(hi[r, ks], q[n, ks], strict=True):
                         d_hi = wrap(d_hi + a * w, dot_bits)
                     p = wrap(wrap(d_hi * 256, dot_bits) + p, dot_bits)
-                    p = wrap(p + dataflow.LIMB_OFFSET * int(q[n, ks].sum()), dot_bits)
-                term = wrap(wrap(p * int(ms[n, g]), combine_bits) << int(shift[n, g]),
-                            combine_bits)
-                acc = wrap(acc + term, combine_bits)
+                acc = wrap(acc + wrap(p * factor[n, g], combine_bits), combine_bits)
+            if two:
+                acc = wrap(acc + wrap(dataflow.LIMB_OFFSET * row_sum, combine_bits),
+                           combine_bits)
             out[r, n] = round_scaled_array(np.array([acc], np.int64), int(e_r[r] + emin[n]),
                                            case.out_format)[0]
     return out

@@ -154,38 +154,40 @@ def vnni_dot(w_bits: int, dot_bits: int) -> Obligation:
         w_bits=w_bits)
 
 
-def vnni_scale_fold(w_bits: int, a_bits: int, k: int, spread: int) -> Obligation:
-    """cpu_vnni.c multiplies P by c = ms << shift with vpmuldq: c must be an int32."""
+def scale_factor(w_bits: int, a_bits: int, k: int, spread: int) -> Obligation:
+    """f = ms << shift is held in dataflow.FACTOR_BITS: the certificate's factors, the GPU group
+    kernel's int32 x int32 -> int64 products, fold_kernel's q * f, cpu_vnni.c's vpmuldq."""
 
     def build():
         ms, ms_ok = signed_var("ms", -(2**dataflow.SCALE_MANT_BITS - 1),
                                2**dataflow.SCALE_MANT_BITS - 1)
         sh = z3.BitVec("shift", 8)
         c = wide(ms) << z3.ZeroExt(WIDE - 8, sh)
-        return z3.And(ms_ok, z3.ULE(sh, spread)), fits(c, 32), {"ms": ms, "shift": sh}
+        return (z3.And(ms_ok, z3.ULE(sh, spread)), fits(c, dataflow.FACTOR_BITS),
+                {"ms": ms, "shift": sh})
 
-    return Obligation(f"vnni-scale-fold-w{w_bits}-a{a_bits}-k{k}",
-                      f"ms << shift is an int32 for spread <= {spread}", build, w_bits=w_bits,
-                      a_bits=a_bits, k=k, spread=spread, acc_bits=32)
+    return Obligation(f"scale-factor-w{w_bits}-a{a_bits}-k{k}",
+                      f"ms << shift is an int{dataflow.FACTOR_BITS} for spread <= {spread}", build,
+                      w_bits=w_bits, a_bits=a_bits, k=k, spread=spread,
+                      acc_bits=dataflow.FACTOR_BITS)
 
 
 def group_recombine(w_bits: int, a_bits: int, dot_bits: int) -> Obligation:
-    """P = 256 * D_hi + D_lo + 128 * sum_k q, in the dot width, from the limb dots' bounds."""
+    """P' = 256 * D_hi + D_lo in the dot width, from the limb dots' bounds. The GPU kernel's MMA
+    may add the low limb's products onto C = 256 * D_hi in its (saturating) accumulator: D_lo
+    ranges over every partial sum of the low dot too (group-dot bounds them all)."""
 
     def build():
         bound = GROUP_SIZE * 128 * 2 ** (w_bits - 1)
         d_hi, hi_ok = signed_var("d_hi", -bound, bound)
         d_lo, lo_ok = signed_var("d_lo", -bound, bound)
-        wsum, sum_ok = signed_var("wsum", -GROUP_SIZE * 2 ** (w_bits - 1),
-                                  GROUP_SIZE * 2 ** (w_bits - 1))
         t1 = wide(d_hi) * 256
         t2 = t1 + wide(d_lo)
-        t3 = t2 + dataflow.LIMB_OFFSET * wide(wsum)
-        post = z3.And(fits(t1, dot_bits), fits(t2, dot_bits), fits(t3, dot_bits))
-        return z3.And(hi_ok, lo_ok, sum_ok), post, {"d_hi": d_hi, "d_lo": d_lo, "wsum": wsum}
+        return (z3.And(hi_ok, lo_ok), z3.And(fits(t1, dot_bits), fits(t2, dot_bits)),
+                {"d_hi": d_hi, "d_lo": d_lo})
 
     return Obligation(f"group-recombine-w{w_bits}-a{a_bits}",
-                      f"two-limb recombination of P in int{dot_bits}", build, w_bits=w_bits,
+                      f"two-limb recombination of P' in int{dot_bits}", build, w_bits=w_bits,
                       a_bits=a_bits, acc_bits=dot_bits)
 
 
@@ -294,13 +296,20 @@ def span_unshifted(a_bits: int, dot_bits: int) -> Obligation:
 
 
 def group_bound(w_bits: int, a_bits: int) -> Obligation:
-    """The closed form (A2Q-style) |P| <= 32 * 2**(bw-1) * Qa: never exceeded, and attained."""
+    """The closed form (A2Q-style) |P| <= 32 * 2**(bw-1) * Qa: never exceeded, and attained; with
+    two limbs also the group kernel's |P'| = |sum_k (qa - LIMB_OFFSET) * q| <=
+    dataflow.group_term_bound."""
     qmax, bound = act_qmax(a_bits), 2 ** (w_bits - 1) * act_qmax(a_bits)
+    term_bound = dataflow.group_term_bound(w_bits, a_bits) // GROUP_SIZE
 
     def build():
         a, a_ok = signed_var("a", -qmax, qmax)
         w, w_ok = signed_var("w", -(2 ** (w_bits - 1)), 2 ** (w_bits - 1) - 1)
-        return z3.And(a_ok, w_ok), within(product(a, w), bound), {"a": a, "w": w}
+        shifted = (wide(a) - dataflow.LIMB_OFFSET) * wide(w)  # small: no multiplier to speak of
+        post = within(product(a, w), bound)
+        if dataflow.act_limbs(a_bits) == 2:
+            post = z3.And(post, within(shifted, term_bound))
+        return z3.And(a_ok, w_ok), post, {"a": a, "w": w}
 
     return Obligation(f"group-bound-w{w_bits}-a{a_bits}",
                       f"|qa * q| <= {bound}, so |P| <= 32 * that = {GROUP_SIZE * bound}", build,
@@ -308,24 +317,47 @@ def group_bound(w_bits: int, a_bits: int) -> Obligation:
 
 
 def combine(w_bits: int, a_bits: int, k: int, acc_bits: int, spread: int) -> Obligation:
-    pmax = GROUP_SIZE * 2 ** (w_bits - 1) * act_qmax(a_bits)
+    """The group kernel's T: per group P' * f (an int32 by an int32, f = ms << shift: the value
+    (P' * ms) << shift), summed in `acc_bits`; in any order of groups (split K's atomics add
+    slices in any order: every partial sum is some groups' terms)."""
+    pmax = dataflow.group_term_bound(w_bits, a_bits)
     mant = 2**dataflow.SCALE_MANT_BITS - 1
 
     def make():
-        p, p_ok = signed_var("P", -pmax, pmax)
+        p, p_ok = signed_var("P'", -pmax, pmax)
         ms, ms_ok = signed_var("ms", -mant, mant)
         sh = z3.BitVec("shift", 8)
-        prod = product(p, ms)
-        shifted = prod << z3.ZeroExt(WIDE - 8, sh)
-        return (shifted, z3.And(p_ok, ms_ok, z3.ULE(sh, spread)),
-                z3.And(fits(prod, acc_bits), fits(shifted, acc_bits)),
-                {"P": p, "ms": ms, "shift": sh})
+        term = product(p, ms) << z3.ZeroExt(WIDE - 8, sh)
+        return (term, z3.And(p_ok, ms_ok, z3.ULE(sh, spread)), z3.BoolVal(True),
+                {"P'": p, "ms": ms, "shift": sh})
 
     return accumulate_step(
         f"combine-w{w_bits}-a{a_bits}-k{k}",
-        f"sum over {k // GROUP_SIZE} groups of (P * ms) << shift in int{acc_bits}, "
+        f"sum over {k // GROUP_SIZE} groups of P' * (ms << shift) in int{acc_bits}, "
         f"spread <= {spread}", acc_bits, k // GROUP_SIZE, mant * pmax << spread, make,
         w_bits=w_bits, a_bits=a_bits, k=k, spread=spread)
+
+
+def combine_offset(w_bits: int, a_bits: int, k: int, acc_bits: int, spread: int) -> Obligation:
+    """16-bit activations: the group kernel adds LIMB_OFFSET * R, R = sum_k q * f (offset_sums,
+    int64), to any partial sum of the combine (its first slice of K does, before or after the
+    others'): R and the result fit `acc_bits`, within dataflow.combine_bound."""
+    groups = k // GROUP_SIZE
+    mant = 2**dataflow.SCALE_MANT_BITS - 1
+    acc_max = groups * (mant * dataflow.group_term_bound(w_bits, a_bits) << spread)
+    r_max = groups * (GROUP_SIZE * 2 ** (w_bits - 1) * mant << spread)
+
+    def build():
+        acc, r = z3.BitVec("acc", acc_bits), z3.BitVec("R", acc_bits)
+        t = wide(acc) + dataflow.LIMB_OFFSET * wide(r)
+        post = z3.And(fits(const(r_max), acc_bits), fits(t, acc_bits),
+                      within(t, dataflow.combine_bound(k, w_bits, a_bits, spread)))
+        return z3.And(within(acc, acc_max), within(r, r_max)), post, {"acc": acc, "R": r}
+
+    return Obligation(f"combine-offset-w{w_bits}-a{a_bits}-k{k}",
+                      f"the limb offset's LIMB_OFFSET * R added in int{acc_bits}, "
+                      f"spread <= {spread}", build, w_bits=w_bits, a_bits=a_bits, k=k,
+                      acc_bits=acc_bits, spread=spread)
 
 
 def cpu_int_mm(k: int, dot_bits: int) -> Obligation:
@@ -444,8 +476,7 @@ def for_config(w_bits: int, a_bits: int, k: int, acc_bits: int | None = None,
     if spread is not None and not 0 <= spread <= MAX_SPREAD:
         raise ValueError(f"spread must be in [0, {MAX_SPREAD}], got {spread}")
     if spread is None:
-        spread = max(0, min(dataflow.max_safe_spread(k, w_bits, a_bits, acc_bits),
-                            dataflow.max_folded_spread(w_bits)))
+        spread = max(0, dataflow.certified_spread(k, w_bits, a_bits, acc_bits))
     dot = dataflow.DOT_ACC_BITS
     obligations = [limb_split(a_bits), group_dot(w_bits, a_bits, dot), vnni_dot(w_bits, dot),
                    group_bound(w_bits, a_bits)]
@@ -455,8 +486,10 @@ def for_config(w_bits: int, a_bits: int, k: int, acc_bits: int | None = None,
     if (w_bits, a_bits) == (4, 16):  # the span kernel's configuration
         obligations += [span_fold(w_bits), span_group(w_bits, a_bits, dot),
                         span_unshifted(a_bits, dot)]
-    obligations += [combine(w_bits, a_bits, k, acc_bits, spread), cpu_int_mm(k, dot),
-                    vnni_scale_fold(w_bits, a_bits, k, spread),
+    obligations.append(combine(w_bits, a_bits, k, acc_bits, spread))
+    if dataflow.act_limbs(a_bits) == 2:
+        obligations.append(combine_offset(w_bits, a_bits, k, acc_bits, spread))
+    obligations += [cpu_int_mm(k, dot), scale_factor(w_bits, a_bits, k, spread),
                     cpu_combine(w_bits, a_bits, k, spread)]
     for o in obligations:
         o.w_bits, o.a_bits, o.k = w_bits, a_bits, k

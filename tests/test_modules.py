@@ -198,9 +198,8 @@ def test_the_group_kernels_k_split_changes_no_bit(case, slices):
     checked against the reference by every Triton test: the interpreter splits small launches)."""
     layer = layer_for(case, "triton")
     x = bits_to_tensor(case.x_bits, case.x_format)
-    cert = layer.certificate
     limbs, e_r = triton_exact.quantize(x, case.act_bits)
-    args = (limbs, e_r, layer.weight_packed, cert.mantissa, cert.shift, cert.emin, case.w_bits,
+    args = (limbs, e_r, layer.weight_packed, *layer.gpu_weights(x.device), case.w_bits,
             torch_dtype(case.out_format))
     whole = tensor_to_bits(triton_exact.linear(*args, slices=1))
     assert (tensor_to_bits(triton_exact.linear(*args, slices=slices)) == whole).all()

@@ -135,6 +135,6 @@ def test_simulated_dataflow_at_the_real_widths_equals_the_reference(data):
 
     case = data.draw(linear_cases(max_k=96, max_n=3, max_rows=2))
     _, _, _, spread = split_scales(case.scale_bits)
-    fast = spread <= dataflow.max_safe_spread(case.shape[1], case.w_bits, case.act_bits)
+    fast = spread <= dataflow.certified_spread(case.shape[1], case.w_bits, case.act_bits)
     got, want = run(case, "simulated"), run(case, "reference")
     assert (got[:, fast] == want[:, fast]).all()

@@ -21,9 +21,9 @@ from ..contract import GROUP_SIZE
 class FoldedWeights:
     """Derived at load: the int8 digits of Wf [L, N, K] and sum_k Wf [N] (int64)."""
 
-    def __init__(self, q: torch.Tensor, mantissa: torch.Tensor, shift: torch.Tensor):
+    def __init__(self, q: torch.Tensor, factor: torch.Tensor):
         n, k = q.shape
-        scale = (mantissa.to(torch.int64) << shift.to(torch.int64))  # [N, G], zero for other rows
+        scale = factor.to(torch.int64)  # [N, G] ms << shift, zero for other rows
         folded = (q.to(torch.int64).view(n, k // GROUP_SIZE, GROUP_SIZE) * scale[:, :, None])
         folded = folded.view(n, k)
         lo, hi = (int(folded.min()), int(folded.max())) if folded.numel() else (0, 0)

@@ -105,7 +105,7 @@ class NativeWeights:
     factors ms << shift (0 on slow rows), int32 each; the span kernel's scales (`spans`) are
     derived from these when it first runs."""
 
-    def __init__(self, q: torch.Tensor, mantissa: torch.Tensor, shift: torch.Tensor):
+    def __init__(self, q: torch.Tensor, factor: torch.Tensor):
         n, k = q.shape
         self.n, self.k = n, k
         self.np = -(-n // 16) * 16
@@ -120,8 +120,7 @@ class NativeWeights:
         self.w = w.contiguous()
         groups = lanes.reshape(self.np, k // GROUP_SIZE, GROUP_SIZE).sum(-1, dtype=torch.int32)
         self.wsum = groups.t().contiguous()
-        scale = mantissa.to(torch.int64) << shift.to(torch.int64)  # |.| < 2**31: proofs/
-        self.c = torch.nn.functional.pad(scale, (0, 0, 0, pad)).t().to(torch.int32).contiguous()
+        self.c = torch.nn.functional.pad(factor.to(torch.int32), (0, 0, 0, pad)).t().contiguous()
 
     @property
     def nbytes(self) -> int:
@@ -355,7 +354,7 @@ def _self_check(lib) -> bool:
             if q_max == 8:
                 ms[0] = 255  # |q * ms| at its largest: one-group spans
             sh = torch.randint(0, sh_max + 1, (37, 8), generator=g, dtype=torch.int32)
-            weights = NativeWeights(q, ms, sh)
+            weights = NativeWeights(q, ms << sh)
             p = (qa.view(m, 1, 8, 32) * q.view(1, 37, 8, 32)).sum(-1)
             want = ((p * ms.long()) << sh.long()).sum(-1)
             e_r, emin = torch.randint(-160, 10, (m,), generator=g), torch.randint(-9, 9, (37,),
@@ -380,8 +379,8 @@ def _self_check(lib) -> bool:
                            (256, 8, 5)):
         q = torch.randint(-8, 8, (37, k), generator=g)
         ms = torch.randint(-255, 256, (37, k // 32), generator=g, dtype=torch.int32)
-        weights = NativeWeights(q, ms, torch.randint(0, 2, ms.shape, generator=g,
-                                                     dtype=torch.int32))
+        weights = NativeWeights(q, ms << torch.randint(0, 2, ms.shape, generator=g,
+                                                       dtype=torch.int32))
         emin = torch.randint(-9, 9, (37,), generator=g)
         for fmt in FORMATS.values():
             x = torch.randn(m, k, generator=g).to(torch_dtype(fmt))

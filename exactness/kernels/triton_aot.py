@@ -64,15 +64,15 @@ def _argument_types(kernel: str, width: int, z: str = "*i32") -> dict:
         return dict(x_ptr=f"*i{width}", a_ptr="*i8", e_ptr="*i64", M="i32", K="i32",
                     stride_xm="i32", stride_limb="i32")
     if kernel == "fold_kernel":
-        return dict(w_ptr="*i32", f_ptr="*i32", folded_ptr="*i8", sum_ptr="*i64", N="i32",
-                    K="i32", stride_wn="i32", stride_fn="i32")
+        return dict(w_ptr="*i32", f_ptr="*i32", folded_ptr="*i8", N="i32", K="i32",
+                    stride_wn="i32", stride_fn="i32")
     if kernel == "combine_kernel":  # z: the int32 limb GEMMs, or a split launch's int64 T
         return dict(z_ptr=z, sum_ptr="*i64", e_ptr="*i64", emin_ptr="*i64",
                     y_ptr=f"*i{width}", M="i32", N="i32", stride_zm="i32", stride_ym="i32")
-    return dict(a_ptr="*i8", w_ptr="*i32", c_ptr="*i32", sh_ptr="*i32", e_ptr="*i64",
+    return dict(a_ptr="*i8", w_ptr="*i32", f_ptr="*i32", r_ptr="*i64", e_ptr="*i64",
                 emin_ptr="*i64", y_ptr=f"*i{width}", t_ptr="*i64", M="i32", N="i32", G="i32",
                 groups_per_slice="i32", stride_limb="i32", stride_am="i32", stride_wn="i32",
-                stride_cn="i32", stride_ym="i32")
+                stride_fn="i32", stride_ym="i32")
 
 
 def configurations(quick: bool = False) -> list[tuple[str, str, dict, dict]]:

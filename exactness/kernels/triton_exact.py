@@ -5,8 +5,9 @@ One forward, below FOLDED_MIN_ROWS activation rows, is two launches:
   integer rule (section 3) on the row maximum's bit pattern, then qa = RNE(x * 2**-e_r) by integer
   shifts of each value's significand, written as dataflow's int8 limbs;
 - `exact_group_kernel`, per output tile and per group of 32: the packed words unpacked to int8 in
-  registers, one int8 x int8 -> int32 dot per activation limb gives the group's exact P, and
-  P * ms << shift is added into an int64 accumulator (widths: exactness/dataflow.py); the tile's
+  registers, one int8 x int8 -> int32 dot per activation limb gives the group's exact
+  P' = 256 * D_hi + D_lo, and P' * f (f = ms << shift, int32 x int32) is added into an int64
+  accumulator, the limb offset's sum once at the end (widths: exactness/dataflow.py); the tile's
   exact T is rounded once (`round_scaled`, the twin of formats.round_scaled_array) and stored as
   the output's bit patterns.
 From FOLDED_MIN_ROWS rows on, `linear_folded` runs kernels/cpu.py's dataflow instead, which
@@ -40,10 +41,10 @@ BLOCK_N = 512 if INTERPRETED else GPU_BLOCK_N
 BLOCK_K = 1024 if INTERPRETED else GPU_BLOCK_K  # activations per row and step of the quantization
 # (BLOCK_M, BLOCK_N, num_warps) of exact_group_kernel that bench/gpu_check.py times beside the
 # default, on a GPU; `python -m exactness.kernels.triton_aot --tiles` compiles them without one
-# (the default first; the rest spill at most 20 bytes: 64 x 128 with 4 warps or 128 x 128 spill
-# ~3 KiB, their int64 accumulators too many for the registers)
-TUNING_TILES = ((16, 64, 4), (32, 64, 4), (32, 128, 4), (64, 64, 8), (128, 32, 8), (128, 64, 8),
-                (64, 128, 8))
+# (none spills on sm_90; 256 x 64 does on sm_80; 64 x 128 with 4 warps and 128 x 128 spill on
+# sm_90, so they are not here)
+TUNING_TILES = ((16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 8), (128, 32, 8),
+                (128, 64, 8), (64, 128, 8), (256, 64, 8))
 # The group kernel's slices of K (k_slices): programs to aim at under the interpreter (on a GPU:
 # twice its SMs) and the fewest groups a slice, so that the suite runs split and whole launches
 INTERPRETED_PROGRAMS = 4
@@ -188,9 +189,9 @@ if triton is not None:
 
     @triton.jit
     def exact_group_kernel(
-        a_ptr, w_ptr, c_ptr, sh_ptr, e_ptr, emin_ptr, y_ptr, t_ptr,
+        a_ptr, w_ptr, f_ptr, r_ptr, e_ptr, emin_ptr, y_ptr, t_ptr,
         M, N, G, groups_per_slice,
-        stride_limb, stride_am, stride_wn, stride_cn, stride_ym,
+        stride_limb, stride_am, stride_wn, stride_fn, stride_ym,
         W_BITS: tl.constexpr, TWO_LIMBS: tl.constexpr, LIMB_OFFSET: tl.constexpr,
         DOT_ACC: tl.constexpr, COMBINE_ACC: tl.constexpr,
         OUT_MANT: tl.constexpr, OUT_EXP: tl.constexpr,
@@ -208,26 +209,29 @@ if triton is not None:
         offs_k = tl.arange(0, 32)
         mask_m = offs_m < M
         mask_n = offs_n < N
-        per_word: tl.constexpr = 32 // W_BITS  # elements per int32 word
-        word_of_k = offs_k // per_word
-        shift_of_k = (offs_k % per_word) * W_BITS
+        per_word: tl.constexpr = 32 // W_BITS  # fields per int32 word; a group is W_BITS words
+        offs_w = tl.arange(0, W_BITS)
+        fields = tl.arange(0, per_word) * W_BITS
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=COMBINE_ACC)
         for g in range(g_start, g_end):
-            words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (g * W_BITS + word_of_k)[None, :],
+            # each word loaded once and split into its fields: k = word * per_word + field
+            words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (g * W_BITS + offs_w)[None, :],
                             mask=mask_n[:, None], other=0)
             # the stored field is q + 2**(bits-1); the mask drops the sign-extended high bits
-            w = ((words >> shift_of_k[None, :]) & ((1 << W_BITS) - 1)) - (1 << (W_BITS - 1))
-            w8 = w.to(tl.int8)
+            w = ((words[:, :, None] >> fields[None, None, :]) & ((1 << W_BITS) - 1)) - (
+                1 << (W_BITS - 1))
+            w8 = tl.reshape(w.to(tl.int8), (BLOCK_N, 32))
             a_ptrs = a_ptr + offs_m[:, None] * stride_am + (g * 32 + offs_k)[None, :]
             a_lo = tl.load(a_ptrs, mask=mask_m[:, None], other=0)
             p = tl.dot(a_lo, tl.trans(w8), out_dtype=DOT_ACC)
-            if TWO_LIMBS:  # qa - 128 = hi * 256 + lo
+            if TWO_LIMBS:  # P' = 256 * D_hi + D_lo: the limb offset is in r, added once
                 a_hi = tl.load(a_ptrs + stride_limb, mask=mask_m[:, None], other=0)
-                d_hi = tl.dot(a_hi, tl.trans(w8), out_dtype=DOT_ACC)
-                p = d_hi * 256 + p + LIMB_OFFSET * tl.sum(w, axis=1)[None, :]
-            c = tl.load(c_ptr + offs_n * stride_cn + g, mask=mask_n, other=0).to(COMBINE_ACC)
-            sh = tl.load(sh_ptr + offs_n * stride_cn + g, mask=mask_n, other=0).to(COMBINE_ACC)
-            acc += (p.to(COMBINE_ACC) * c[None, :]) << sh[None, :]
+                p += tl.dot(a_hi, tl.trans(w8), out_dtype=DOT_ACC) * 256
+            f = tl.load(f_ptr + offs_n * stride_fn + g, mask=mask_n, other=0)
+            acc += p.to(COMBINE_ACC) * f.to(COMBINE_ACC)[None, :]  # int32 x int32 -> int64
+        if TWO_LIMBS:  # LIMB_OFFSET * sum_k q * f, by the first slice of K alone
+            r = tl.load(r_ptr + offs_n, mask=mask_n, other=0).to(COMBINE_ACC)
+            acc += tl.where(g_start == 0, LIMB_OFFSET, 0) * r[None, :]
         if SPLIT:
             tl.atomic_add(t_ptr + offs_m[:, None] * N + offs_n[None, :], acc.to(tl.int64),
                           mask=mask_m[:, None] & mask_n[None, :], sem="relaxed")
@@ -236,18 +240,17 @@ if triton is not None:
                           stride_ym, OUT_MANT, OUT_EXP)
 
     @triton.jit
-    def fold_kernel(w_ptr, f_ptr, folded_ptr, sum_ptr, N, K, stride_wn, stride_fn,
+    def fold_kernel(w_ptr, f_ptr, folded_ptr, N, K, stride_wn, stride_fn,
                     W_BITS: tl.constexpr, W_LIMBS: tl.constexpr,
                     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        """cpu.FoldedWeights of BLOCK_N weight rows: the signed int8 digits of Wf = q * f
-        (f = ms << shift of q's group, dataflow.int8_digits), digit j of row n at
-        folded[j * N + n], and sum_k Wf [n] in int64."""
+        """cpu.FoldedWeights' digits for BLOCK_N weight rows: the signed int8 digits of
+        Wf = q * f (f = ms << shift of q's group, dataflow.int8_digits), digit j of row n at
+        folded[j * N + n]."""
         offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         per_word: tl.constexpr = 32 // W_BITS
         offs_w = tl.arange(0, BLOCK_K // per_word)  # a step's words, each read once
         fields = tl.arange(0, per_word)
-        sums = tl.zeros((BLOCK_N, BLOCK_K // per_word), dtype=tl.int64)  # reduced once, at the end
         plane = N.to(tl.int64) * K  # one digit's N x K (int64: 3 digits of a big layer pass 2**31)
         for k0 in range(0, K, BLOCK_K):
             ws = k0 // per_word + offs_w
@@ -257,15 +260,13 @@ if triton is not None:
                         mask=mask, other=0)
             q = ((words[:, :, None] >> (fields * W_BITS)[None, None, :]) & ((1 << W_BITS) - 1)) - (
                 1 << (W_BITS - 1))
-            v = tl.where(mask[:, :, None], q * f[:, :, None], 0)  # < 2**31: f < 2**(8 + spread)
-            sums += tl.sum(v, axis=2).to(tl.int64)  # a word's fields: < 8 * 2**23 in int32
+            v = q * f[:, :, None]  # < 2**31: f < 2**(8 + spread)
             ks = ws[:, None] * per_word + fields[None, :]
             ptrs = folded_ptr + offs_n.to(tl.int64)[:, None, None] * K + ks[None, :, :]
             for j in tl.static_range(W_LIMBS):
                 low = ((v + 128) & 255) - 128
                 tl.store(ptrs + j * plane, low.to(tl.int8), mask=mask[:, :, None])
                 v = (v - low) >> 8
-        tl.store(sum_ptr + offs_n, tl.sum(sums, axis=1), mask=mask_n)
 
     @triton.jit
     def combine_kernel(z_ptr, sum_ptr, e_ptr, emin_ptr, y_ptr, M, N, stride_zm, stride_ym,
@@ -338,15 +339,26 @@ def quantize(x: torch.Tensor, act_bits: int) -> tuple[torch.Tensor, torch.Tensor
     return limbs, e_r
 
 
+def offset_sums(weight_packed: torch.Tensor, factor: torch.Tensor, w_bits: int) -> torch.Tensor:
+    """R [N] int64 = sum_k q[n, k] * factor[n, g(k)] (dataflow step 3: what the limb offset adds
+    to a 16-bit activation's T), from the packed words on their device, once per weights."""
+    n = weight_packed.shape[0]
+    fields = 32 // w_bits
+    mask = (1 << w_bits) - 1
+    word_sums = sum((weight_packed >> (j * w_bits)) & mask for j in range(fields))
+    group_sums = word_sums.reshape(n, -1, w_bits).sum(-1) - GROUP_SIZE * 2 ** (w_bits - 1)
+    return (group_sums.to(torch.int64) * factor).sum(-1)
+
+
 def linear(limbs: torch.Tensor, e_r: torch.Tensor, weight_packed: torch.Tensor,
-           mantissa: torch.Tensor, shift: torch.Tensor, emin: torch.Tensor, w_bits: int,
+           factor: torch.Tensor, row_sums: torch.Tensor, emin: torch.Tensor, w_bits: int,
            out_dtype: torch.dtype, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
            num_warps: int = 4, slices: int | None = None) -> torch.Tensor:
-    """y [M, N] of `out_dtype` from activation limbs [L, M, K] int8, their row exponents and the
-    certified scale parts (`mantissa`, `shift` int32 [N, G], zero for rows the certificate sends
-    elsewhere; `emin` [N]). The tile (block_m x block_n outputs per program, powers of two, at
-    least 16), num_warps and the slices of K (None: k_slices) change the speed, never the bits
-    (bench/gpu_check.py compares them)."""
+    """y [M, N] of `out_dtype` from activation limbs [L, M, K] int8, their row exponents, the
+    certified scale factors (`factor` int32 [N, G], ms << shift, zero for rows the certificate
+    sends elsewhere), their offset_sums and `emin` [N]. The tile (block_m x block_n outputs per
+    program, powers of two, at least 16), num_warps and the slices of K (None: k_slices) change
+    the speed, never the bits (bench/gpu_check.py compares them)."""
     if triton is None:
         raise RuntimeError("the Triton path needs the triton package (pip install triton)")
     n_limbs, m, k = limbs.shape
@@ -363,8 +375,8 @@ def linear(limbs: torch.Tensor, e_r: torch.Tensor, weight_packed: torch.Tensor,
     y_bits = y.view(_BITS[out.width])
     exact_group_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n),
                         triton.cdiv(groups, per_slice))](
-        limbs, weight_packed, mantissa, shift, e_r, emin, y_bits, t, m, n, groups, per_slice,
-        limbs.stride(0), limbs.stride(1), weight_packed.stride(0), mantissa.stride(0), y.stride(0),
+        limbs, weight_packed, factor, row_sums, e_r, emin, y_bits, t, m, n, groups, per_slice,
+        limbs.stride(0), limbs.stride(1), weight_packed.stride(0), factor.stride(0), y.stride(0),
         **group_constants(w_bits, n_limbs == 2, out, block_n, block_m, split), num_warps=num_warps)
     if split:
         combine_kernel[(triton.cdiv(m, COMBINE_BLOCK), triton.cdiv(n, COMBINE_BLOCK))](
@@ -396,14 +408,14 @@ def folded_fits(m: int, n: int, k: int) -> bool:
 
 
 def linear_folded(limbs: torch.Tensor, e_r: torch.Tensor, weight_packed: torch.Tensor,
-                  mantissa: torch.Tensor, shift: torch.Tensor, emin: torch.Tensor, w_bits: int,
+                  factor: torch.Tensor, row_sums: torch.Tensor, emin: torch.Tensor, w_bits: int,
                   w_limbs: int, out_dtype: torch.dtype) -> torch.Tensor:
     """linear's y by the CPU fallback's dataflow (kernels/cpu.py), for many activation rows: the
     scales folded into the weights' int8 digits (fold_kernel, per forward: nothing is kept), one
     integer GEMM of every activation limb by every digit (torch._int_mm: the tensor cores at
     full rate, with no per-group work), and the int64 combination with the one rounding
-    (combine_kernel). `w_limbs`: digits that hold every q * (mantissa << shift)
-    (dataflow.folded_weight_limbs); the shape must pass folded_fits."""
+    (combine_kernel; row_sums = offset_sums = sum_k Wf). `w_limbs`: digits that hold every
+    q * factor (dataflow.folded_weight_limbs); the shape must pass folded_fits."""
     if triton is None:
         raise RuntimeError("the Triton path needs the triton package (pip install triton)")
     a_limbs, m, k = limbs.shape
@@ -411,16 +423,14 @@ def linear_folded(limbs: torch.Tensor, e_r: torch.Tensor, weight_packed: torch.T
     if not folded_fits(m, n, k):
         raise ValueError(f"linear_folded does not take M={m}, N={n}, K={k} (folded_fits)")
     device = limbs.device
-    factor = mantissa.to(torch.int32) << shift.to(torch.int32)  # < 2**(8 + spread): int32
     folded = torch.empty((w_limbs * n, k), dtype=torch.int8, device=device)
-    row_sum = torch.empty(n, dtype=torch.int64, device=device)
     fold_kernel[(triton.cdiv(n, FOLD_BLOCK_N),)](
-        weight_packed, factor, folded, row_sum, n, k, weight_packed.stride(0), factor.stride(0),
+        weight_packed, factor, folded, n, k, weight_packed.stride(0), factor.stride(0),
         **fold_constants(w_bits, w_limbs))
     z = torch._int_mm(limbs.reshape(a_limbs * m, k), folded.t())  # [A * M, W * N] int32
     out = float_format(out_dtype)
     y = torch.empty((m, n), dtype=out_dtype, device=device)
     grid = (triton.cdiv(m, COMBINE_BLOCK), triton.cdiv(n, COMBINE_BLOCK))
-    combine_kernel[grid](z, row_sum, e_r, emin.to(torch.int64), y.view(_BITS[out.width]), m, n,
+    combine_kernel[grid](z, row_sums, e_r, emin.to(torch.int64), y.view(_BITS[out.width]), m, n,
                          z.stride(0), y.stride(0), **combine_constants(a_limbs, w_limbs, out))
     return y
