@@ -97,11 +97,13 @@ def read(file: Path | str) -> tuple[LinearCase, dict]:
 
 
 def _count(outputs: int) -> None:
-    """Tally compared outputs where `make verify` asks for it (EXACTNESS_COUNT_FILE)."""
+    """Tally compared outputs where `make verify` asks for it (EXACTNESS_COUNT_FILE), with the
+    test file that compared them ("-" outside pytest): one pytest session runs several stages."""
     target = os.environ.get("EXACTNESS_COUNT_FILE")
     if target:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "-").split("::")[0]
         with open(target, "a") as f:
-            f.write(f"{outputs}\n")
+            f.write(f"{outputs} {test}\n")
 
 
 def from_layer(layer, x, *, path: str = "user", directory: Path | str | None = None) -> Path:

@@ -187,14 +187,18 @@ class _PackedExactLinear(nn.Module):
         return self._layouts[key]
 
     def derived_nbytes(self) -> int:
-        """Bytes of derived tensors held now: the certificate, the CPU kernels' weights."""
+        """Bytes of derived tensors held now: the certificate, each path's derived weights (a
+        tensor the GPU's tuple shares with the certificate, on its device, counted once)."""
         self._derive()
         cert = self._certificate
-        total = sum(t.numel() * t.element_size()
-                    for t in (cert.emin, cert.spread, cert.factor, cert.fast))
-        return total + sum(sum(t.numel() * t.element_size() for t in layout)
-                           if isinstance(layout, tuple) else layout.nbytes
-                           for layout in self._layouts.values())
+        tensors = {t.data_ptr(): t for t in (cert.emin, cert.spread, cert.factor, cert.fast)}
+        layouts = 0
+        for layout in self._layouts.values():
+            if isinstance(layout, tuple):
+                tensors.update((t.data_ptr(), t) for t in layout)
+            else:
+                layouts += layout.nbytes
+        return layouts + sum(t.numel() * t.element_size() for t in tensors.values())
 
     # ----------------------------------------------------------------- forward
 

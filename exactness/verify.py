@@ -2,7 +2,8 @@
 
 Each stage gives a verdict in Alive2's words: proved/passed, refuted/failed (with where to look),
 or unknown; never a silent pass. Stages that are test selections run pytest in a subprocess in the
-chosen Hypothesis profile and write JUnit XML beside the JSON report.
+chosen Hypothesis profile, those of one PytestSession together, and write JUnit XML beside the
+JSON report.
 """
 
 from __future__ import annotations
@@ -36,40 +37,57 @@ class StageResult:
 class Stage:
     name: str
     what: str
-    run: Callable[[str], StageResult]
+    run: Callable[[str], StageResult] | None = None
+    session: PytestSession | None = None  # a pytest selection, run with the session's others
 
 
-def pytest_stage(name: str, what: str, *selection: str, kill_only: bool = False) -> Stage:
-    """A stage that runs a pytest selection and reads its JUnit XML (kill_only: the selection
-    only has to fail under planted bugs, so the ci profile runs without shrinking)."""
+class PytestSession:
+    """Stages that are pytest selections, run as one pytest session in a subprocess (one xdist
+    start-up, ~7 s on 2 cores, instead of one per stage, and one pool for all their tests), then
+    reported per stage from the session's JUnit XML: a test belongs to the stage of its file.
+    kill_only: the selection only has to fail under planted bugs, so the ci profile runs it
+    without shrinking."""
 
-    def run(profile: str) -> StageResult:
-        if kill_only and profile == "ci":
+    def __init__(self, name: str, kill_only: bool = False):
+        self.name, self.kill_only = name, kill_only
+        self.files: dict[str, str] = {}  # test file -> stage
+
+    def stage(self, name: str, what: str, *files: str) -> Stage:
+        self.files.update(dict.fromkeys(files, name))
+        return Stage(name, what, session=self)
+
+    def run(self, profile: str, stages: list[str]) -> dict[str, StageResult]:
+        """The chosen `stages` of this session, run together: {stage: its result}; a stage's
+        seconds are its tests' own times (the session's wall time is shared)."""
+        if self.kill_only and profile == "ci":
             profile = "ci-kill"
-        REPORTS.mkdir(exist_ok=True)
-        junit = REPORTS / f"junit-{name}.xml"
+        junit = REPORTS / f"junit-{self.name}.xml"
+        junit.unlink(missing_ok=True)
         env = dict(os.environ, HYPOTHESIS_PROFILE=profile, TRITON_INTERPRET="1",
                    EXACTNESS_FIRST_KILLER="1")
+        files = [f for f, stage in self.files.items() if stage in stages]
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-               f"--junitxml={junit}", *selection]
+               f"--junitxml={junit}", *files]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        tests = failed = 0
-        failures = []
+        results = {name: StageResult(name, "passed") for name in stages}
         if junit.exists():
             for case in ET.parse(junit).iter("testcase"):
-                tests += 1
+                module = case.get("classname", "").split(".")[:2]  # "tests.test_modules[.Class]"
+                result = results.get(self.files.get("/".join(module) + ".py", ""))
+                if result is None:
+                    continue
+                result.checks += 1
+                result.seconds += float(case.get("time") or 0)
                 if case.find("failure") is not None or case.find("error") is not None:
-                    failed += 1
-                    failures.append(f"{case.get('classname')}::{case.get('name')}")
-        if proc.returncode == 0 and tests:
-            return StageResult(name, "passed", tests, detail=what)
-        if failed:
-            return StageResult(name, "failed", tests, detail=proc.stdout[-2000:],
-                               failures=failures)
-        return StageResult(name, "unknown", tests,
-                           detail=f"pytest exit {proc.returncode}: {proc.stdout[-1000:]}")
-
-    return Stage(name, what, run)
+                    result.failures.append(f"{case.get('classname')}::{case.get('name')}")
+        for result in results.values():
+            result.seconds = round(result.seconds, 2)
+            if result.failures:
+                result.verdict, result.detail = "failed", proc.stdout[-2000:]
+            elif proc.returncode != 0 or not result.checks:
+                result.verdict = "unknown"
+                result.detail = f"pytest exit {proc.returncode}: {proc.stdout[-1000:]}"
+        return results
 
 
 def proofs_stage(profile: str) -> StageResult:
@@ -118,23 +136,35 @@ def corpus_stage(profile: str) -> StageResult:
                        failures=failures)
 
 
+_TESTS = PytestSession("tests")
 STAGES = [
     Stage("proofs", "Z3: accumulator bounds at Kimi sizes, the rounding routine", proofs_stage),
     Stage("vectors", "the contract's independent test vectors, every path", vectors_stage),
-    pytest_stage("reference", "oracle == numpy reference == peers; proofs cross-checked",
+    _TESTS.stage("reference", "oracle == numpy reference == peers; proofs cross-checked",
                  "tests/test_formats.py", "tests/test_reference.py", "tests/test_vectors.py",
                  "tests/test_proofs.py"),
-    pytest_stage("equivalence", "every layer path == reference, bit for bit, full Kimi sizes too",
+    _TESTS.stage("equivalence", "every layer path == reference, bit for bit, full Kimi sizes too",
                  "tests/test_modules.py"),
-    pytest_stage("compiled", "the Triton kernels compile for sm_90 (thorough: sm_80 too), int MMA",
+    _TESTS.stage("compiled", "the Triton kernels compile for sm_90 (thorough: sm_80 too), int MMA",
                  "tests/test_triton_compile.py"),
     Stage("corpus", "tests/counterexamples replayed on every path", corpus_stage),
-    pytest_stage("mutants", "every planted bug is caught", "tests/test_mutants.py",
-                 kill_only=True),
+    PytestSession("mutants", kill_only=True).stage(
+        "mutants", "every planted bug is caught", "tests/test_mutants.py"),
 ]
 
 
+def _compared(counts: Path, files: dict[str, str] | None = None, stage: str = "") -> int:
+    """Outputs compared, from the tallies the checks wrote (counterexamples._count: a count and
+    the test file, "-" outside pytest); with `files`, only those of `stage`'s files."""
+    if not counts.exists():
+        return 0
+    tallies = (line.split() for line in counts.read_text().splitlines() if line)
+    return sum(int(n) for n, *test in tallies
+               if files is None or files.get(test[0] if test else "-") == stage)
+
+
 def _junit(results: list[StageResult]) -> str:
+
     suite = ET.Element("testsuite", name="exactness-verify", tests=str(len(results)),
                        failures=str(sum(r.verdict == "failed" for r in results)),
                        errors=str(sum(r.verdict == "unknown" for r in results)))
@@ -157,17 +187,31 @@ def main(thorough: bool = False, stages: list[str] | None = None) -> int:
           f"{f', planted mutant: {mutant.name}' if mutant else ''})", flush=True)
     REPORTS.mkdir(exist_ok=True)
     results = []
+    done: dict[str, StageResult] = {}  # stages a pytest session ran with an earlier one
     begin = time.perf_counter()
     for i, stage in enumerate(chosen, 1):
         print(f"  [{i}/{len(chosen)}] {stage.name}: {stage.what} ...", flush=True)
-        counts = REPORTS / f"count-{stage.name}.txt"
-        counts.unlink(missing_ok=True)
-        os.environ["EXACTNESS_COUNT_FILE"] = str(counts)
         start = time.perf_counter()
-        result = stage.run(profile)
-        result.seconds = round(time.perf_counter() - start, 2)
-        result.compared = sum(int(n) for n in counts.read_text().split()) if counts.exists() \
-            else 0
+        session = stage.session
+        counts = REPORTS / f"count-{session.name if session else stage.name}.txt"
+        if session is None:
+            counts.unlink(missing_ok=True)
+            os.environ["EXACTNESS_COUNT_FILE"] = str(counts)
+            result = stage.run(profile)
+            result.seconds = round(time.perf_counter() - start, 2)
+            result.compared = _compared(counts)
+        else:
+            if stage.name not in done:
+                together = [s.name for s in chosen if s.session is session]
+                counts.unlink(missing_ok=True)
+                os.environ["EXACTNESS_COUNT_FILE"] = str(counts)
+                done.update(session.run(profile, together))
+                for name in together:
+                    done[name].compared = _compared(counts, session.files, name)
+                if len(together) > 1:
+                    print(f"      (one pytest session for {', '.join(together)}: "
+                          f"{time.perf_counter() - start:.1f} s)", flush=True)
+            result = done.pop(stage.name)
         print(f"      {result.verdict} in {result.seconds:.1f} s "
               f"(elapsed {time.perf_counter() - begin:.0f} s)", flush=True)
         results.append(result)

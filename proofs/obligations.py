@@ -305,10 +305,10 @@ def group_bound(w_bits: int, a_bits: int) -> Obligation:
     def build():
         a, a_ok = signed_var("a", -qmax, qmax)
         w, w_ok = signed_var("w", -(2 ** (w_bits - 1)), 2 ** (w_bits - 1) - 1)
-        shifted = (wide(a) - dataflow.LIMB_OFFSET) * wide(w)  # small: no multiplier to speak of
         post = within(product(a, w), bound)
-        if dataflow.act_limbs(a_bits) == 2:
-            post = z3.And(post, within(shifted, term_bound))
+        if dataflow.act_limbs(a_bits) == 2:  # a - LIMB_OFFSET one bit wider: it cannot wrap
+            shifted = z3.SignExt(1, a) - dataflow.LIMB_OFFSET
+            post = z3.And(post, within(product(shifted, w), term_bound))
         return z3.And(a_ok, w_ok), post, {"a": a, "w": w}
 
     return Obligation(f"group-bound-w{w_bits}-a{a_bits}",

@@ -383,9 +383,10 @@ def test_state_dict_is_exactly_the_checkpoint_keys():
     assert sd["weight_scale"].dtype == torch.bfloat16 and sd["weight_scale"].shape == (8, 2)
 
 
-def test_derived_data_is_rebuilt_when_the_weights_change():
+@pytest.mark.parametrize("path", ["cpu", pytest.param("triton", marks=needs_triton)])
+def test_derived_data_is_rebuilt_when_the_weights_change(path):
     case = load_vectors()[0]
-    layer = layer_for(case, "cpu")
+    layer = layer_for(case, path)
     x = bits_to_tensor(case.x_bits, case.x_format)
     before = tensor_to_bits(layer(x))
     with torch.no_grad():
@@ -405,6 +406,16 @@ def test_weight_shape_int32_or_int64(dtype):
     sd = layer.state_dict()
     sd["weight_shape"] = torch.tensor([2, 64], dtype=dtype)
     layer.load_state_dict(sd)
+
+
+@needs_triton
+def test_the_triton_paths_derived_bytes_count_each_tensor_once():
+    """On the certificate's device the Triton path's factors and emin are the certificate's own
+    tensors: what it adds is the limb offset's row sums, 8 bytes an output."""
+    layer = PackedInt4Linear(64, 8, backend="triton")
+    before = layer.derived_nbytes()
+    layer(torch.randn(2, 64))
+    assert layer.derived_nbytes() - before == 8 * 8
 
 
 def test_layer_keeps_no_float_copy_of_the_weight():
