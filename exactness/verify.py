@@ -70,21 +70,27 @@ class PytestSession:
                f"--junitxml={junit}", *files]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         results = {name: StageResult(name, "passed") for name in stages}
+        modules = {f.removesuffix(".py").replace("/", "."): s for f, s in self.files.items()}
         if junit.exists():
             for case in ET.parse(junit).iter("testcase"):
-                module = case.get("classname", "").split(".")[:2]  # "tests.test_modules[.Class]"
-                result = results.get(self.files.get("/".join(module) + ".py", ""))
+                name = case.get("classname", "")  # "tests.test_modules", or with a class after
+                result = next((results.get(stage) for module, stage in modules.items()
+                               if name == module or name.startswith(module + ".")), None)
                 if result is None:
                     continue
                 result.checks += 1
                 result.seconds += float(case.get("time") or 0)
                 if case.find("failure") is not None or case.find("error") is not None:
                     result.failures.append(f"{case.get('classname')}::{case.get('name')}")
+        # exit 1: tests failed, which the stages holding them report; anything else but 0 (a
+        # collection error, an interrupted session) leaves every stage unknown
+        failed = any(r.failures for r in results.values())
+        explained = proc.returncode == 0 or (proc.returncode == 1 and failed)
         for result in results.values():
             result.seconds = round(result.seconds, 2)
             if result.failures:
                 result.verdict, result.detail = "failed", proc.stdout[-2000:]
-            elif proc.returncode != 0 or not result.checks:
+            elif not explained or not result.checks:
                 result.verdict = "unknown"
                 result.detail = f"pytest exit {proc.returncode}: {proc.stdout[-1000:]}"
         return results

@@ -1,0 +1,46 @@
+"""make verify's pytest sessions: one session, a verdict per stage, never a silent pass."""
+
+import subprocess
+
+import pytest
+
+from exactness import verify
+
+
+def session_outcome(monkeypatch, tmp_path, returncode: int, cases: list[tuple[str, bool]]):
+    """Runs a two-stage PytestSession on a pytest stand-in that exits `returncode` and leaves a
+    JUnit XML of `cases` (classname, failed); each stage's result."""
+    monkeypatch.setattr(verify, "REPORTS", tmp_path)
+    session = verify.PytestSession("s")
+    session.stage("first", "", "tests/test_a.py")
+    session.stage("second", "", "tests/test_b.py", "tests/test_c.py")
+
+    def fake_pytest(cmd, **kwargs):
+        body = "".join(f'<testcase classname="{name}" name="t{i}" time="1.5">'
+                       f'{"<failure/>" if failed else ""}</testcase>'
+                       for i, (name, failed) in enumerate(cases))
+        (tmp_path / "junit-s.xml").write_text(f"<testsuites><testsuite>{body}"
+                                              f"</testsuite></testsuites>")
+        return subprocess.CompletedProcess(cmd, returncode, "", "")
+
+    monkeypatch.setattr(verify.subprocess, "run", fake_pytest)
+    return session.run("ci", ["first", "second"])
+
+
+def test_each_stage_reads_its_own_files(monkeypatch, tmp_path):
+    got = session_outcome(monkeypatch, tmp_path, 1, [
+        ("tests.test_a", True), ("tests.test_b", False), ("tests.test_c.TestClass", False)])
+    assert got["first"].verdict == "failed" and got["first"].failures == ["tests.test_a::t0"]
+    assert got["second"].verdict == "passed" and got["second"].checks == 2
+    assert got["second"].seconds == 3.0
+
+
+@pytest.mark.parametrize("returncode, cases", [
+    (2, [("tests.test_a", False), ("tests.test_b", False)]),  # a collection error
+    (1, [("tests.test_a", False), ("tests.test_b", False), ("tests.test_x", True)]),  # elsewhere
+    (0, [("tests.test_a", False)]),  # the second stage ran no test
+])
+def test_an_unexplained_outcome_is_unknown(monkeypatch, tmp_path, returncode, cases):
+    got = session_outcome(monkeypatch, tmp_path, returncode, cases)
+    assert "unknown" in {r.verdict for r in got.values()}
+    assert "failed" not in {r.verdict for r in got.values()}
