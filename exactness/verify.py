@@ -51,9 +51,11 @@ class PytestSession:
     def __init__(self, name: str, kill_only: bool = False):
         self.name, self.kill_only = name, kill_only
         self.files: dict[str, str] = {}  # test file -> stage
+        self.what: dict[str, str] = {}  # stage -> what it checks
 
     def stage(self, name: str, what: str, *files: str) -> Stage:
         self.files.update(dict.fromkeys(files, name))
+        self.what[name] = what
         return Stage(name, what, session=self)
 
     def run(self, profile: str, stages: list[str]) -> dict[str, StageResult]:
@@ -69,7 +71,7 @@ class PytestSession:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
                f"--junitxml={junit}", *files]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-        results = {name: StageResult(name, "passed") for name in stages}
+        results = {name: StageResult(name, "passed", detail=self.what[name]) for name in stages}
         modules = {f.removesuffix(".py").replace("/", "."): s for f, s in self.files.items()}
         if junit.exists():
             for case in ET.parse(junit).iter("testcase"):
@@ -170,7 +172,6 @@ def _compared(counts: Path, files: dict[str, str] | None = None, stage: str = ""
 
 
 def _junit(results: list[StageResult]) -> str:
-
     suite = ET.Element("testsuite", name="exactness-verify", tests=str(len(results)),
                        failures=str(sum(r.verdict == "failed" for r in results)),
                        errors=str(sum(r.verdict == "unknown" for r in results)))
@@ -199,25 +200,25 @@ def main(thorough: bool = False, stages: list[str] | None = None) -> int:
         print(f"  [{i}/{len(chosen)}] {stage.name}: {stage.what} ...", flush=True)
         start = time.perf_counter()
         session = stage.session
-        counts = REPORTS / f"count-{session.name if session else stage.name}.txt"
-        if session is None:
+        if session is not None and stage.name in done:
+            result = done.pop(stage.name)
+        else:
+            counts = REPORTS / f"count-{session.name if session else stage.name}.txt"
             counts.unlink(missing_ok=True)
             os.environ["EXACTNESS_COUNT_FILE"] = str(counts)
-            result = stage.run(profile)
-            result.seconds = round(time.perf_counter() - start, 2)
-            result.compared = _compared(counts)
-        else:
-            if stage.name not in done:
+            if session is None:
+                result = stage.run(profile)
+                result.seconds = round(time.perf_counter() - start, 2)
+                result.compared = _compared(counts)
+            else:
                 together = [s.name for s in chosen if s.session is session]
-                counts.unlink(missing_ok=True)
-                os.environ["EXACTNESS_COUNT_FILE"] = str(counts)
                 done.update(session.run(profile, together))
                 for name in together:
                     done[name].compared = _compared(counts, session.files, name)
                 if len(together) > 1:
                     print(f"      (one pytest session for {', '.join(together)}: "
                           f"{time.perf_counter() - start:.1f} s)", flush=True)
-            result = done.pop(stage.name)
+                result = done.pop(stage.name)
         print(f"      {result.verdict} in {result.seconds:.1f} s "
               f"(elapsed {time.perf_counter() - begin:.0f} s)", flush=True)
         results.append(result)
