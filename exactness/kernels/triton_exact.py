@@ -129,6 +129,14 @@ if triton is not None:
         tl.store(y_ptrs, signed.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
     @triton.jit
+    def unpack_fields(words, shifts, W_BITS: tl.constexpr):
+        """formats.unpack_weights in registers: int32 words [R, C] -> their signed W_BITS fields
+        [R, C, fields] (`shifts`: each field's bit offset). The stored field is q + 2**(bits-1);
+        the mask drops the sign-extended high bits."""
+        return ((words[:, :, None] >> shifts[None, None, :]) & ((1 << W_BITS) - 1)) - (
+            1 << (W_BITS - 1))
+
+    @triton.jit
     def decode(b, MANT: tl.constexpr, EXP: tl.constexpr):
         """formats.decode_array of unsigned finite patterns: (m, e), x = m * 2**e."""
         field = (b >> MANT) & ((1 << EXP) - 1)
@@ -217,10 +225,7 @@ if triton is not None:
             # each word loaded once and split into its fields: k = word * per_word + field
             words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (g * W_BITS + offs_w)[None, :],
                             mask=mask_n[:, None], other=0)
-            # the stored field is q + 2**(bits-1); the mask drops the sign-extended high bits
-            w = ((words[:, :, None] >> fields[None, None, :]) & ((1 << W_BITS) - 1)) - (
-                1 << (W_BITS - 1))
-            w8 = tl.reshape(w.to(tl.int8), (BLOCK_N, 32))
+            w8 = tl.reshape(unpack_fields(words, fields, W_BITS).to(tl.int8), (BLOCK_N, 32))
             a_ptrs = a_ptr + offs_m[:, None] * stride_am + (g * 32 + offs_k)[None, :]
             a_lo = tl.load(a_ptrs, mask=mask_m[:, None], other=0)
             p = tl.dot(a_lo, tl.trans(w8), out_dtype=DOT_ACC)
@@ -258,9 +263,8 @@ if triton is not None:
             words = tl.load(w_ptr + offs_n[:, None] * stride_wn + ws[None, :], mask=mask, other=0)
             f = tl.load(f_ptr + offs_n[:, None] * stride_fn + (ws // (32 // per_word))[None, :],
                         mask=mask, other=0)
-            q = ((words[:, :, None] >> (fields * W_BITS)[None, None, :]) & ((1 << W_BITS) - 1)) - (
-                1 << (W_BITS - 1))
-            v = q * f[:, :, None]  # < 2**31: f < 2**(8 + spread)
+            # q * f < 2**31: f < 2**(8 + spread)
+            v = unpack_fields(words, fields * W_BITS, W_BITS) * f[:, :, None]
             ks = ws[:, None] * per_word + fields[None, :]
             ptrs = folded_ptr + offs_n.to(tl.int64)[:, None, None] * K + ks[None, :, :]
             for j in tl.static_range(W_LIMBS):
