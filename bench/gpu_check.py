@@ -1,9 +1,10 @@
-"""GPU check, in one run: bit-exactness of the Triton kernel on CUDA against the reference, then
+"""GPU check, in one run: bit-exactness of the Triton kernel on CUDA against the reference, the
+refusal of a non-finite x (the kernel's row flags, read back by the layer), then
 kernel vs torch bf16 matmul timings (CUDA events, median), as ratios, with the forward's two GPU
 paths side by side (the group kernel; linear_folded, taken from triton_exact.FOLDED_MIN_ROWS
 rows), then the group kernel's other tiles and warp counts at M = 16, 128 and 4096 (same bits, their
 times), so that one run on a lent GPU also says which launch and crossover to make the default.
-Prints tables; exit 1 on any differing bit."""
+Prints tables; exit 1 on any differing bit or a non-finite x let through."""
 
 from __future__ import annotations
 
@@ -58,6 +59,9 @@ def main() -> int:
                           0x3C00 + rng.integers(0, 256, (n, k // 32)), act_bits, BFLOAT16)
         bad += int(not (run(case, "triton") == run(case, "reference")).all())
     print(f"bit-exactness: {'OK' if bad == 0 else f'{bad} cases differ'}")
+    refused = nonfinite_refused("cuda")
+    print(f"non-finite x: {'ValueError with the count' if refused else 'NOT REFUSED'}")
+    bad += not refused
     print(f"| shape | M | exact ms (layer) | bf16 ms | ratio bf16/exact (speed-up) | "
           f"group kernel ms (K split as k_slices says / whole) | folded ms "
           f"(triton_exact.FOLDED_MIN_ROWS = {triton_exact.FOLDED_MIN_ROWS}) |")
@@ -74,6 +78,22 @@ def main() -> int:
     return 1 if bad else 0
 
 
+def nonfinite_refused(device: str) -> bool:
+    """Whether the Triton forward on `device` refuses x with an inf and a NaN (the kernel flags
+    the rows; the layer reads the flags back after its launches) as the contract says."""
+    from exactness.contract import NonFiniteError
+    from exactness.modules import ExactLinear
+
+    layer = ExactLinear.from_weight(torch.randn(4, 64), backend="triton").to(device)
+    x = torch.randn(3, 64).bfloat16()
+    x[1, 5], x[2, 7] = float("inf"), float("nan")
+    try:
+        layer(x.to(device))
+    except NonFiniteError as error:
+        return "x has 2 non-finite value(s); the first at index (1, 5)" in str(error)
+    return False
+
+
 def both_paths(layer, x, timer=None) -> tuple[str, str, bool]:
     """The forward's two GPU paths on x, each without the layer's Python: the group kernel's ms
     (K split as k_slices says / whole), linear_folded's ms (or "-" where it does not take x) and
@@ -82,7 +102,7 @@ def both_paths(layer, x, timer=None) -> tuple[str, str, bool]:
 
     timer = timer or cuda_ms
     cert = layer.certificate
-    limbs, e_r = triton_exact.quantize(x, 16)
+    limbs, e_r, _ = triton_exact.quantize(x, 16)
     args = (limbs, e_r, layer.weight_packed, *layer.gpu_weights(x.device), 4)
     split = timer(lambda: triton_exact.linear(*args, torch.bfloat16))
     whole = timer(lambda: triton_exact.linear(*args, torch.bfloat16, slices=1))
@@ -113,7 +133,7 @@ def tiles(shapes=((7168, 2048), (2048, 7168)), batches=(16, 128, 4096), device="
                 torch.bfloat16)
         for m in batches:
             x = torch.randn(m, k, device=device).bfloat16()
-            limbs, e_r = triton_exact.quantize(x, 16)
+            limbs, e_r, _ = triton_exact.quantize(x, 16)
             print(f"| {k}->{n} | {m} | quantize_kernel | "
                   f"{timer(lambda: triton_exact.quantize(x, 16)):.3f} | | |")
             want = triton_exact.linear(limbs, e_r, *args)

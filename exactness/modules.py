@@ -227,29 +227,30 @@ class _PackedExactLinear(nn.Module):
         if path == "cpu" and native.library() is not None:  # AVX-512 VNNI, self-checked
             y = native.linear(x2, self.act_bits, self._cpu_layout(native.NativeWeights),
                               cert.emin, out_format)  # checks finiteness on the way
-        else:
-            if not bool(torch.isfinite(x2).all()):
+        elif path == "triton":
+            limbs, e_r, nonfinite = triton_exact.quantize(x2, self.act_bits)
+            args = (limbs, e_r, self.weight_packed, *self.gpu_weights(x.device), self.bits)
+            if (x2.shape[0] >= triton_exact.FOLDED_MIN_ROWS
+                    and triton_exact.folded_fits(x2.shape[0], n, k)
+                    and cpu.int_mm_exact(str(x.device))):
+                y = triton_exact.linear_folded(
+                    *args, dataflow.folded_weight_limbs(self.bits, cert.fast_spread), out_dtype)
+            else:
+                y = triton_exact.linear(*args, out_dtype)
+            # read back once every launch is queued: the device never waits on the host between
+            if bool(nonfinite.cpu().any()):
                 check_finite(float_bits(x2), x_format, "x")  # raises, with the count and index
-            if path == "triton":
-                limbs, e_r = triton_exact.quantize(x2, self.act_bits)
-                args = (limbs, e_r, self.weight_packed, *self.gpu_weights(x.device), self.bits)
-                if (x2.shape[0] >= triton_exact.FOLDED_MIN_ROWS
-                        and triton_exact.folded_fits(x2.shape[0], n, k)
-                        and cpu.int_mm_exact(str(x.device))):
-                    y = triton_exact.linear_folded(
-                        *args, dataflow.folded_weight_limbs(self.bits, cert.fast_spread),
-                        out_dtype)
-                else:
-                    y = triton_exact.linear(*args, out_dtype)
-            else:  # the int8-GEMM fallback
-                qa, e_r = quantize_rows(x2, self.act_bits)
-                folded = self._cpu_layout(cpu.FoldedWeights)
-                if cpu.int_mm_exact():
-                    t = cpu.accumulate(dataflow.activation_limbs(qa, self.act_bits), folded)
-                else:
-                    t = cpu.accumulate_int64(qa, folded)
-                e = e_r[:, None] + cert.emin[None, :]
-                y = bits_to_tensor(round_scaled_array(t, e, out_format), out_format)
+        else:  # the int8-GEMM fallback
+            if not bool(torch.isfinite(x2).all()):
+                check_finite(float_bits(x2), x_format, "x")
+            qa, e_r = quantize_rows(x2, self.act_bits)
+            folded = self._cpu_layout(cpu.FoldedWeights)
+            if cpu.int_mm_exact():
+                t = cpu.accumulate(dataflow.activation_limbs(qa, self.act_bits), folded)
+            else:
+                t = cpu.accumulate_int64(qa, folded)
+            e = e_r[:, None] + cert.emin[None, :]
+            y = bits_to_tensor(round_scaled_array(t, e, out_format), out_format)
         slow = cert.slow_rows
         if slow.numel():  # scale spreads no fast path holds: the exact reference, row by row
             y[:, slow.to(x.device)] = bits_to_tensor(reference_linear(

@@ -256,6 +256,7 @@ KERNEL = "exactness.kernels.triton_exact:exact_group_kernel"
 C_KERNEL = "exactness/kernels/cpu_vnni.c"
 BATCH = "tests/test_modules.py::test_batch_and_permutation_invariance"
 SPANS = "tests/test_modules.py::test_span_kernel_matches_reference"
+NON_FINITE = "tests/test_errors.py::test_layer_non_finite_x_counts"
 SPANS_VECTORS = "tests/test_modules.py::test_vectors_through_the_span_kernel"
 SPANS_EDGE = "tests/test_modules.py::test_span_kernel_at_the_int32_edge"
 
@@ -404,6 +405,10 @@ CATALOGUE = (
            "ae + t0 + tl.where(fits, 0, 1)", "ae + t0",
            "the Triton quantization's row exponent one too small where the maximum needs the next",
            (TRITON, TRITON_VECTORS)),
+    Mutant("kernel-infinity-not-flagged", "exactness.kernels.triton_exact:quantize_kernel",
+           "(row_max >= ((1 << EXP) - 1) << MANT)", "(row_max > ((1 << EXP) - 1) << MANT)",
+           "the Triton quantization flags rows holding NaN but not rows holding an infinity, "
+           "which then goes through as a number", (NON_FINITE,)),
     Mutant("kernel-output-sign-dropped", "exactness.kernels.triton_exact:round_scaled",
            "bits = bits | tl.where(m < 0, (a * 0 + 1) << (MANT + EXP), 0)", "bits = bits",
            "the sign bit not set on negative outputs in the Triton epilogue",

@@ -1,5 +1,8 @@
 """Bad input: a clear, typed error that names the argument and the first bad index."""
 
+import contextlib
+from unittest import mock
+
 import numpy as np
 import pytest
 import torch
@@ -15,6 +18,8 @@ from exactness.contract import (
     weight_range,
 )
 from exactness.formats import decode, pack_weights, unpack_weights
+from exactness.kernels import native
+from exactness.paths import available_paths
 from exactness.reference import reference_linear
 
 X = np.full((2, 64), 0x3F80)  # bf16 1.0
@@ -100,13 +105,21 @@ def test_decode_refuses_non_finite():
 # --------------------------------------------------------------------------- the layer
 
 
-def test_layer_non_finite_x_counts():
-    layer = PackedInt4Linear(64, 4)
-    x = torch.randn(3, 64)
-    x[2, 7], x[0, 1] = float("nan"), float("inf")
-    with pytest.raises(ValueError, match=r"x has 2 non-finite value\(s\); the first at index "
-                                         r"\(0, 1\)"):
-        layer(x)
+@pytest.mark.parametrize("path", [p for p in available_paths() if p in ("cpu", "triton")]
+                         + ["int8-gemm"])
+@pytest.mark.parametrize("bad", [float("inf"), float("-inf"), float("nan")])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_layer_non_finite_x_counts(path, bad, dtype):
+    """Each path refuses x with non-finite values of one kind (the C kernel and the Triton
+    quantization flag their rows themselves), with the count and the first index."""
+    layer = PackedInt4Linear(64, 4, backend="triton" if path == "triton" else "cpu")
+    x = torch.randn(3, 64).to(dtype)
+    x[2, 7] = x[0, 1] = bad
+    fallback = mock.patch.object(native, "library", lambda: None)
+    with fallback if path.startswith("int8") else contextlib.nullcontext():
+        with pytest.raises(ValueError, match=r"x has 2 non-finite value\(s\); the first at "
+                                             r"index \(0, 1\)"):
+            layer(x)
 
 
 def test_layer_wrong_last_dim_and_dtypes():

@@ -198,7 +198,7 @@ def test_the_group_kernels_k_split_changes_no_bit(case, slices):
     checked against the reference by every Triton test: the interpreter splits small launches)."""
     layer = layer_for(case, "triton")
     x = bits_to_tensor(case.x_bits, case.x_format)
-    limbs, e_r = triton_exact.quantize(x, case.act_bits)
+    limbs, e_r, _ = triton_exact.quantize(x, case.act_bits)
     args = (limbs, e_r, layer.weight_packed, *layer.gpu_weights(x.device), case.w_bits,
             torch_dtype(case.out_format))
     whole = tensor_to_bits(triton_exact.linear(*args, slices=1))
@@ -214,6 +214,14 @@ def test_the_gpu_checks_tile_table_runs(capsys):
 
     assert tiles(shapes=((64, 20),), batches=(19,), device="cpu", timer=lambda fn: 0.1) == 0
     assert "DIFFERENT" not in capsys.readouterr().out
+
+
+@needs_triton
+def test_the_gpu_checks_non_finite_check_runs():
+    """bench/gpu_check.py's non-finite x, under the interpreter: refused, with the count."""
+    from bench.gpu_check import nonfinite_refused
+
+    assert nonfinite_refused("cpu")
 
 
 @needs_triton

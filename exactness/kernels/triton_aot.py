@@ -61,8 +61,8 @@ class Compiled:
 def _argument_types(kernel: str, width: int, z: str = "*i32") -> dict:
     """The launchers' runtime arguments (triton_exact.quantize / linear) as Triton types."""
     if kernel == "quantize_kernel":
-        return dict(x_ptr=f"*i{width}", a_ptr="*i8", e_ptr="*i64", M="i32", K="i32",
-                    stride_xm="i32", stride_limb="i32")
+        return dict(x_ptr=f"*i{width}", a_ptr="*i8", e_ptr="*i64", nonfinite_ptr="*i8",
+                    M="i32", K="i32", stride_xm="i32", stride_limb="i32")
     if kernel == "fold_kernel":
         return dict(w_ptr="*i32", f_ptr="*i32", folded_ptr="*i8", N="i32", K="i32",
                     stride_wn="i32", stride_fn="i32")

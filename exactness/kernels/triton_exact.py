@@ -2,8 +2,9 @@
 
 One forward, below FOLDED_MIN_ROWS activation rows, is two launches:
 - `quantize_kernel`, BLOCK_M activation rows per program: the row exponent e_r by the contract's
-  integer rule (section 3) on the row maximum's bit pattern, then qa = RNE(x * 2**-e_r) by integer
-  shifts of each value's significand, written as dataflow's int8 limbs;
+  integer rule (section 3) on the row maximum's bit pattern (which also flags a row holding inf
+  or NaN), then qa = RNE(x * 2**-e_r) by integer shifts of each value's significand, written as
+  dataflow's int8 limbs;
 - `exact_group_kernel`, per output tile and per group of 32: the packed words unpacked to int8 in
   registers, one int8 x int8 -> int32 dot per activation limb gives the group's exact
   P' = 256 * D_hi + D_lo, and P' * f (f = ms << shift, int32 x int32) is added into an int64
@@ -147,11 +148,12 @@ if triton is not None:
 
     @triton.jit
     def quantize_kernel(
-        x_ptr, a_ptr, e_ptr, M, K, stride_xm, stride_limb,
+        x_ptr, a_ptr, e_ptr, nonfinite_ptr, M, K, stride_xm, stride_limb,
         MANT: tl.constexpr, EXP: tl.constexpr, QMAX: tl.constexpr, TWO_LIMBS: tl.constexpr,
         LIMB_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
-        """reference.quantize_activations and dataflow.activation_limbs for BLOCK_M rows of x."""
+        """reference.quantize_activations and dataflow.activation_limbs for BLOCK_M rows of x;
+        nonfinite[r] = 1 where row r holds a non-finite value (its e_r and limbs are junk then)."""
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
         mask_m = offs_m < M
@@ -164,7 +166,11 @@ if triton is not None:
             b = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask,
                         other=0)
             amax = tl.maximum(amax, b.to(tl.int32) & ((1 << (width - 1)) - 1))
-        am, ae = decode(tl.max(amax, axis=1).to(tl.int64), MANT, EXP)
+        # inf and NaN are the patterns with every exponent bit set: the largest magnitudes
+        row_max = tl.max(amax, axis=1)
+        tl.store(nonfinite_ptr + offs_m, (row_max >= ((1 << EXP) - 1) << MANT).to(tl.int8),
+                 mask=mask_m)
+        am, ae = decode(row_max.to(tl.int64), MANT, EXP)
         # the least t with am <= Qa * 2**t is t0 or t0 + 1 (t0 from the bit lengths)
         qmax = am * 0 + QMAX
         t0 = bit_length(am) - bit_length(qmax)
@@ -330,17 +336,20 @@ def combine_constants(a_limbs: int, w_limbs: int, out, block: int = COMBINE_BLOC
                 OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits, BLOCK_M=block, BLOCK_N=block)
 
 
-def quantize(x: torch.Tensor, act_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(limbs [L, M, K] int8, e_r [M] int64) of finite x [M, K] (contract section 3, dataflow)."""
+def quantize(x: torch.Tensor, act_bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(limbs [L, M, K] int8, e_r [M] int64, nonfinite [M] int8) of x [M, K] (contract section 3,
+    dataflow): nonfinite[r] = 1 where row r holds a non-finite value, its limbs and e_r junk. The
+    caller reads it back once the launches that use them are queued (no wait between them)."""
     fmt = float_format(x.dtype)
     x = x.contiguous()
     m, k = x.shape
     limbs = torch.empty((dataflow.act_limbs(act_bits), m, k), dtype=torch.int8, device=x.device)
     e_r = torch.empty(m, dtype=torch.int64, device=x.device)
+    nonfinite = torch.empty(m, dtype=torch.int8, device=x.device)
     quantize_kernel[(triton.cdiv(m, BLOCK_M),)](
-        x.view(_BITS[fmt.width]), limbs, e_r, m, k, x.stride(0), limbs.stride(0),
+        x.view(_BITS[fmt.width]), limbs, e_r, nonfinite, m, k, x.stride(0), limbs.stride(0),
         **quantize_constants(fmt, act_bits))
-    return limbs, e_r
+    return limbs, e_r, nonfinite
 
 
 def offset_sums(weight_packed: torch.Tensor, factor: torch.Tensor, w_bits: int) -> torch.Tensor:
