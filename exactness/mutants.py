@@ -257,6 +257,7 @@ C_KERNEL = "exactness/kernels/cpu_vnni.c"
 BATCH = "tests/test_modules.py::test_batch_and_permutation_invariance"
 SPANS = "tests/test_modules.py::test_span_kernel_matches_reference"
 NON_FINITE = "tests/test_errors.py::test_layer_non_finite_x_counts"
+QUANTIZE_SLICES = "tests/test_modules.py::test_the_quantize_kernel_at_any_slicing_and_tile"
 SPANS_VECTORS = "tests/test_modules.py::test_vectors_through_the_span_kernel"
 SPANS_EDGE = "tests/test_modules.py::test_span_kernel_at_the_int32_edge"
 
@@ -405,6 +406,12 @@ CATALOGUE = (
            "ae + t0 + tl.where(fits, 0, 1)", "ae + t0",
            "the Triton quantization's row exponent one too small where the maximum needs the next",
            (TRITON, TRITON_VECTORS)),
+    Mutant("kernel-row-exponent-of-the-slice", "exactness.kernels.triton_exact:quantize_kernel",
+           "for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=4):",
+           "for k0 in tl.range(tl.program_id(1) * slice_k,"
+           " tl.minimum(K, (tl.program_id(1) + 1) * slice_k), BLOCK_K, loop_unroll_factor=4):",
+           "each slice of K of the Triton quantization takes its rows' exponents from its own "
+           "slice, not the whole row", (QUANTIZE_SLICES,)),
     Mutant("kernel-infinity-not-flagged", "exactness.kernels.triton_exact:quantize_kernel",
            "(row_max >= ((1 << EXP) - 1) << MANT)", "(row_max > ((1 << EXP) - 1) << MANT)",
            "the Triton quantization flags rows holding NaN but not rows holding an infinity, "

@@ -13,9 +13,11 @@ from exactness import ExactLinear, PackedInt4Linear
 from exactness.cases import LinearCase, load_vectors
 from exactness.contract import BFLOAT16, FLOAT32, FORMATS
 from exactness.counterexamples import check_bits
+from exactness.dataflow import activation_limbs
 from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits, torch_dtype
 from exactness.kernels import native, triton_exact
 from exactness.paths import available_paths, layer_for, run
+from exactness.reference import quantize_activations
 from exactness.strategies import (
     KIMI_SHAPES,
     activation_bits,
@@ -203,6 +205,24 @@ def test_the_group_kernels_k_split_changes_no_bit(case, slices):
             torch_dtype(case.out_format))
     whole = tensor_to_bits(triton_exact.linear(*args, slices=1))
     assert (tensor_to_bits(triton_exact.linear(*args, slices=slices)) == whole).all()
+
+
+@needs_triton
+@settings(max_examples=max(10, settings.default.max_examples // 3))  # the kernel, no layer
+@given(linear_cases(max_k=256, max_n=1, max_rows=17), st.integers(1, 4),
+       st.sampled_from([512, 2048]))
+def test_the_quantize_kernel_at_any_slicing_and_tile(case, slices, tile):
+    """quantize_kernel's limbs and row exponents are the contract's (reference, dataflow) at any
+    slicing of K and any tile: every slice finds the row exponents itself, the first stores
+    them, and the flags of non-finite rows."""
+    x = bits_to_tensor(case.x_bits, case.x_format)
+    qa, e_r = quantize_activations(case.x_bits, case.x_format, case.act_bits)
+    limbs, got_e_r, nonfinite = triton_exact.quantize(x, case.act_bits, slices, tile)
+    exact = bool((limbs == activation_limbs(torch.from_numpy(qa), case.act_bits)).all()
+                 and (got_e_r.numpy() == e_r).all())
+    x[-1, -1] = float("inf")
+    flags = nonfinite.tolist() + triton_exact.quantize(x, case.act_bits, slices, tile)[2].tolist()
+    assert exact and flags == [0] * (2 * len(x) - 1) + [1]  # one line: one failure to shrink
 
 
 @needs_triton

@@ -62,7 +62,7 @@ def _argument_types(kernel: str, width: int, z: str = "*i32") -> dict:
     """The launchers' runtime arguments (triton_exact.quantize / linear) as Triton types."""
     if kernel == "quantize_kernel":
         return dict(x_ptr=f"*i{width}", a_ptr="*i8", e_ptr="*i64", nonfinite_ptr="*i8",
-                    M="i32", K="i32", stride_xm="i32", stride_limb="i32")
+                    M="i32", K="i32", slice_k="i32", stride_xm="i32", stride_limb="i32")
     if kernel == "fold_kernel":
         return dict(w_ptr="*i32", f_ptr="*i32", folded_ptr="*i8", N="i32", K="i32",
                     stride_wn="i32", stride_fn="i32")
@@ -82,10 +82,12 @@ def configurations(quick: bool = False) -> list[tuple[str, str, dict, dict]]:
     configs = []
     for fmt in formats:
         for act_bits in (16,) if quick else (4, 8, 16):
-            configs.append(("quantize_kernel", f"x {fmt.name}, act_bits {act_bits}",
-                            _argument_types("quantize_kernel", fmt.width),
-                            triton_exact.quantize_constants(fmt, act_bits,
-                                                            triton_exact.GPU_BLOCK_K)))
+            for rows in (1, 16):  # quantize_tile's tiles from one row to BLOCK_M (the same code)
+                tile = triton_exact.quantize_tile(rows, triton_exact.GPU_QUANT_TILE)
+                configs.append(("quantize_kernel", f"x {fmt.name}, act_bits {act_bits}, "
+                                f"{tile[0]} x {tile[1]}",
+                                _argument_types("quantize_kernel", fmt.width),
+                                triton_exact.quantize_constants(fmt, act_bits, *tile)))
     for w_bits in (4,) if quick else (4, 8):
         for two in (False, True):
             for out in formats:
@@ -180,10 +182,11 @@ def compile_kernel(fn, types: dict, constants: dict, arch: int, name: str = "",
         return record
     signature = {arg: "constexpr" if arg in constants else types[arg] for arg in fn.arg_names}
     # aligned: as a launch at Kimi's shapes, where Triton specializes the pointers and the
-    # arguments divisible by 16 (every K, N, G and stride there; not M), and vectorizes on it
+    # arguments divisible by 16 (every K, N, G, slice of K and stride there; not M), and
+    # vectorizes on it
     attrs = {(fn.arg_names.index(arg),): [["tt.divisibility", 16]] for arg in signature
              if aligned and signature[arg] != "constexpr"
-             and (signature[arg].startswith("*") or arg in ("K", "N", "G")
+             and (signature[arg].startswith("*") or arg in ("K", "N", "G", "slice_k")
                   or arg.startswith("stride_"))}
     source = ASTSource(fn, signature,
                        constexprs={(fn.arg_names.index(k),): v for k, v in constants.items()},

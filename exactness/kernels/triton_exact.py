@@ -1,10 +1,10 @@
 """The GPU kernels, in Triton; on CPU they run under the interpreter (TRITON_INTERPRET=1).
 
 One forward, below FOLDED_MIN_ROWS activation rows, is two launches:
-- `quantize_kernel`, BLOCK_M activation rows per program: the row exponent e_r by the contract's
-  integer rule (section 3) on the row maximum's bit pattern (which also flags a row holding inf
-  or NaN), then qa = RNE(x * 2**-e_r) by integer shifts of each value's significand, written as
-  dataflow's int8 limbs;
+- `quantize_kernel`, up to BLOCK_M activation rows and a slice of K per program: the row
+  exponent e_r by the contract's integer rule (section 3) on the row maximum's bit pattern (which
+  also flags a row holding inf or NaN), then qa = RNE(x * 2**-e_r) by integer shifts of each
+  value's significand, written as dataflow's int8 limbs;
 - `exact_group_kernel`, per output tile and per group of 32: the packed words unpacked to int8 in
   registers, one int8 x int8 -> int32 dot per activation limb gives the group's exact
   P' = 256 * D_hi + D_lo, and P' * f (f = ms << shift, int32 x int32) is added into an int64
@@ -36,10 +36,13 @@ except ImportError:  # the CPU path needs no Triton
 
 # Under the interpreter every program and loop step costs Python time: wide tiles, few programs.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-GPU_BLOCK_N, GPU_BLOCK_K = 64, 256
+GPU_BLOCK_N = 64
 BLOCK_M = 16
 BLOCK_N = 512 if INTERPRETED else GPU_BLOCK_N
-BLOCK_K = 1024 if INTERPRETED else GPU_BLOCK_K  # activations per row and step of the quantization
+# quantize_kernel's step: QUANT_TILE activations, [rows, QUANT_TILE // rows], rows = M rounded up
+# to a power of two, at most BLOCK_M (quantize_tile: one decode row of Kimi's K in two steps)
+GPU_QUANT_TILE = 4096
+QUANT_TILE = 16384 if INTERPRETED else GPU_QUANT_TILE
 # (BLOCK_M, BLOCK_N, num_warps) of exact_group_kernel that bench/gpu_check.py times beside the
 # default, on a GPU; `python -m exactness.kernels.triton_aot --tiles` compiles them without one
 # (none spills on sm_90; 256 x 64 does on sm_80; 64 x 128 with 4 warps and 128 x 128 spill on
@@ -148,12 +151,15 @@ if triton is not None:
 
     @triton.jit
     def quantize_kernel(
-        x_ptr, a_ptr, e_ptr, nonfinite_ptr, M, K, stride_xm, stride_limb,
+        x_ptr, a_ptr, e_ptr, nonfinite_ptr, M, K, slice_k, stride_xm, stride_limb,
         MANT: tl.constexpr, EXP: tl.constexpr, QMAX: tl.constexpr, TWO_LIMBS: tl.constexpr,
         LIMB_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
-        """reference.quantize_activations and dataflow.activation_limbs for BLOCK_M rows of x;
-        nonfinite[r] = 1 where row r holds a non-finite value (its e_r and limbs are junk then)."""
+        """reference.quantize_activations and dataflow.activation_limbs for BLOCK_M rows of x
+        and their slice of K (program_id 1; slice_k activations, a multiple of BLOCK_K). Every
+        slice finds its rows' exponents over all of K itself (no program waits on another: a few
+        rows spread over many SMs); the first stores them, and nonfinite[r] = 1 where row r
+        holds a non-finite value (its e_r and limbs are junk then)."""
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
         mask_m = offs_m < M
@@ -161,24 +167,26 @@ if triton is not None:
         # per element in int32 (16- and 32-bit patterns, significands < 2**24): half the
         # instructions of int64; per row in int64
         amax = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.int32)
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=4):  # 4 steps' loads in flight
             mask = mask_m[:, None] & (k0 + offs_k < K)[None, :]
             b = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask,
                         other=0)
             amax = tl.maximum(amax, b.to(tl.int32) & ((1 << (width - 1)) - 1))
         # inf and NaN are the patterns with every exponent bit set: the largest magnitudes
         row_max = tl.max(amax, axis=1)
+        first = mask_m & (offs_m * 0 == tl.program_id(1))  # (a scalar bool widens: interpreter)
         tl.store(nonfinite_ptr + offs_m, (row_max >= ((1 << EXP) - 1) << MANT).to(tl.int8),
-                 mask=mask_m)
+                 mask=first)
         am, ae = decode(row_max.to(tl.int64), MANT, EXP)
         # the least t with am <= Qa * 2**t is t0 or t0 + 1 (t0 from the bit lengths)
         qmax = am * 0 + QMAX
         t0 = bit_length(am) - bit_length(qmax)
         fits = tl.where(t0 >= 0, am <= qmax << tl.maximum(t0, 0), am << tl.maximum(-t0, 0) <= qmax)
         e_r = tl.where(am == 0, 0, ae + t0 + tl.where(fits, 0, 1))
-        tl.store(e_ptr + offs_m, e_r, mask=mask_m)
+        tl.store(e_ptr + offs_m, e_r, mask=first)
         e_row = e_r.to(tl.int32)
-        for k0 in range(0, K, BLOCK_K):
+        k_start = tl.program_id(1) * slice_k
+        for k0 in range(k_start, tl.minimum(K, k_start + slice_k), BLOCK_K):
             mask = mask_m[:, None] & (k0 + offs_k < K)[None, :]
             b = tl.load(x_ptr + offs_m[:, None] * stride_xm + (k0 + offs_k)[None, :], mask=mask,
                         other=0).to(tl.int32)
@@ -308,11 +316,18 @@ _INT = {32: tl.int32, 64: tl.int64} if triton is not None else {}  # widths of d
 _BITS = {16: torch.int16, 32: torch.int32}  # a float tensor's bit view, by width
 
 
-def quantize_constants(fmt, act_bits: int, block_k: int = BLOCK_K) -> dict:
+def quantize_tile(m: int, tile: int = QUANT_TILE) -> tuple[int, int]:
+    """quantize_kernel's (BLOCK_M, BLOCK_K) for M rows: `tile` activations a step, over as few
+    rows as M needs (a power of two, at most BLOCK_M): masked rows would cost as much as real."""
+    block_m = min(BLOCK_M, 1 << max(m - 1, 0).bit_length())
+    return block_m, tile // block_m
+
+
+def quantize_constants(fmt, act_bits: int, block_m: int, block_k: int) -> dict:
     """quantize_kernel's compile-time constants for x in `fmt` (a FloatFormat)."""
     return dict(MANT=fmt.mant_bits, EXP=fmt.exp_bits, QMAX=act_qmax(act_bits),
                 TWO_LIMBS=dataflow.act_limbs(act_bits) == 2, LIMB_OFFSET=dataflow.LIMB_OFFSET,
-                BLOCK_M=BLOCK_M, BLOCK_K=block_k)
+                BLOCK_M=block_m, BLOCK_K=block_k)
 
 
 def group_constants(w_bits: int, two_limbs: bool, out, block_n: int = BLOCK_N,
@@ -336,20 +351,34 @@ def combine_constants(a_limbs: int, w_limbs: int, out, block: int = COMBINE_BLOC
                 OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits, BLOCK_M=block, BLOCK_N=block)
 
 
-def quantize(x: torch.Tensor, act_bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def quantize(x: torch.Tensor, act_bits: int, slices: int | None = None,
+             tile: int = QUANT_TILE) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(limbs [L, M, K] int8, e_r [M] int64, nonfinite [M] int8) of x [M, K] (contract section 3,
     dataflow): nonfinite[r] = 1 where row r holds a non-finite value, its limbs and e_r junk. The
-    caller reads it back once the launches that use them are queued (no wait between them)."""
+    caller reads it back once the launches that use them are queued (no wait between them).
+    `slices` of K (None: quantize_slices) and `tile` (quantize_tile) change the speed, never
+    the bits."""
     fmt = float_format(x.dtype)
     x = x.contiguous()
     m, k = x.shape
     limbs = torch.empty((dataflow.act_limbs(act_bits), m, k), dtype=torch.int8, device=x.device)
     e_r = torch.empty(m, dtype=torch.int64, device=x.device)
     nonfinite = torch.empty(m, dtype=torch.int8, device=x.device)
-    quantize_kernel[(triton.cdiv(m, BLOCK_M),)](
-        x.view(_BITS[fmt.width]), limbs, e_r, nonfinite, m, k, x.stride(0), limbs.stride(0),
-        **quantize_constants(fmt, act_bits))
+    block_m, block_k = quantize_tile(m, tile)
+    row_blocks, steps = triton.cdiv(m, block_m), triton.cdiv(k, block_k)
+    slice_k = triton.cdiv(steps, slices or quantize_slices(row_blocks, steps, x.device)) * block_k
+    quantize_kernel[(row_blocks, triton.cdiv(k, slice_k))](
+        x.view(_BITS[fmt.width]), limbs, e_r, nonfinite, m, k, slice_k, x.stride(0),
+        limbs.stride(0), **quantize_constants(fmt, act_bits, block_m, block_k))
     return limbs, e_r, nonfinite
+
+
+def quantize_slices(row_blocks: int, steps: int, device: torch.device) -> int:
+    """How many slices of K quantize_kernel splits each block of rows into: enough programs for
+    the GPU's SMs (at M <= 16 one program would quantize all of x on one SM, one serial step
+    after another), a step a slice at least; under the interpreter INTERPRETED_PROGRAMS."""
+    target = _multiprocessors(device.index) if device.type == "cuda" else INTERPRETED_PROGRAMS
+    return max(1, min(steps, triton.cdiv(target, row_blocks)))
 
 
 def offset_sums(weight_packed: torch.Tensor, factor: torch.Tensor, w_bits: int) -> torch.Tensor:
