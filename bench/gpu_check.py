@@ -1,10 +1,10 @@
 """GPU check, in one run: bit-exactness of the Triton kernel on CUDA against the reference, the
-refusal of a non-finite x (the kernel's row flags, read back by the layer), then
-kernel vs torch bf16 matmul timings (CUDA events, median), as ratios, with the forward's two GPU
-paths side by side (the group kernel; linear_folded, taken from triton_exact.FOLDED_MIN_ROWS
-rows), then the group kernel's other tiles and warp counts at M = 16, 128 and 4096 (same bits, their
-times), so that one run on a lent GPU also says which launch and crossover to make the default.
-Prints tables; exit 1 on any differing bit or a non-finite x let through."""
+refusal of a non-finite x (the kernel's row flags, read back by the layer), then kernel vs torch
+bf16 matmul timings (CUDA events, median), as ratios, with the forward's two GPU paths side by
+side (the group kernel; linear_folded, taken from triton_exact.FOLDED_MIN_ROWS rows), then the
+quantization alone and the group kernel's other tiles and warp counts at M = 1, 16, 128 and 4096
+(same bits, their times), so that one run on a lent GPU also says which launch and crossover to
+make the default. Prints tables; exit 1 on any differing bit or a non-finite x let through."""
 
 from __future__ import annotations
 
@@ -118,7 +118,7 @@ def both_paths(layer, x, timer=None) -> tuple[str, str, bool]:
     return group, f"{folded:.3f} ({digits} digits)", same
 
 
-def tiles(shapes=((7168, 2048), (2048, 7168)), batches=(16, 128, 4096), device="cuda",
+def tiles(shapes=((7168, 2048), (2048, 7168)), batches=(1, 16, 128, 4096), device="cuda",
           timer=None) -> int:
     """The group kernel alone at other tiles: bits against the default launch, and times (the
     quantize kernel's time apart). Returns how many launches gave other bits. (The suite runs it
