@@ -376,9 +376,8 @@ def quantize(x: torch.Tensor, act_bits: int, slices: int | None = None,
 def quantize_slices(row_blocks: int, steps: int, device: torch.device) -> int:
     """How many slices of K quantize_kernel splits each block of rows into: enough programs for
     the GPU's SMs (at M <= 16 one program would quantize all of x on one SM, one serial step
-    after another), a step a slice at least; under the interpreter INTERPRETED_PROGRAMS."""
-    target = _multiprocessors(device.index) if device.type == "cuda" else INTERPRETED_PROGRAMS
-    return max(1, min(steps, triton.cdiv(target, row_blocks)))
+    after another), a step a slice at least."""
+    return fill_slices(row_blocks, steps, device)
 
 
 def offset_sums(weight_packed: torch.Tensor, factor: torch.Tensor, w_bits: int) -> torch.Tensor:
@@ -430,11 +429,16 @@ def linear(limbs: torch.Tensor, e_r: torch.Tensor, weight_packed: torch.Tensor,
 def k_slices(tiles: int, groups: int, device: torch.device) -> int:
     """How many slices of K the group kernel splits into for `tiles` output tiles: enough
     programs for twice the GPU's SMs (a few rows leave most SMs idle otherwise: 32 tiles at
-    Kimi's gate/up), MIN_SLICE_GROUPS a slice at least; under the interpreter
-    INTERPRETED_PROGRAMS."""
-    target = (2 * _multiprocessors(device.index) if device.type == "cuda"
+    Kimi's gate/up), MIN_SLICE_GROUPS a slice at least."""
+    return fill_slices(tiles, groups // MIN_SLICE_GROUPS, device, per_sm=2)
+
+
+def fill_slices(blocks: int, most: int, device: torch.device, per_sm: int = 1) -> int:
+    """Slices of K (1 to `most`) for a launch of `blocks` blocks to have per_sm programs for
+    each of the GPU's SMs; under the interpreter INTERPRETED_PROGRAMS in all."""
+    target = (per_sm * _multiprocessors(device.index) if device.type == "cuda"
               else INTERPRETED_PROGRAMS)
-    return max(1, min(groups // MIN_SLICE_GROUPS, triton.cdiv(target, tiles)))
+    return max(1, min(most, triton.cdiv(target, blocks)))
 
 
 @functools.cache
