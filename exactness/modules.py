@@ -89,7 +89,7 @@ class _PackedExactLinear(nn.Module):
                  backend: str = "auto", device=None):
         super().__init__()
         self.in_features = check_in_features(in_features)
-        if not isinstance(out_features, int) or out_features <= 0:
+        if isinstance(out_features, bool) or not isinstance(out_features, int) or out_features <= 0:
             raise ShapeError(f"out_features must be a positive integer, got {out_features!r}")
         self.out_features = out_features
         self.act_bits = check_act_bits(act_bits)
@@ -146,6 +146,21 @@ class _PackedExactLinear(nn.Module):
         self._derived_key = None
 
     # ----------------------------------------------------------------- derived data
+
+    def _apply(self, fn, recurse=True):
+        # The scales are the checkpoint's bf16 bits, part of the format: a cast of the model
+        # (half(), float(), to(dtype)) would change every output's bits, so they keep their
+        # dtype; a move to another device moves them.
+        scale = self.weight_scale
+        super()._apply(fn, recurse)
+        if self.weight_scale.dtype != torch.bfloat16:
+            self.weight_scale = scale.to(self.weight_scale.device)
+        return self
+
+    def __getstate__(self) -> dict:
+        # derived data is a cache (the CPU kernels' hold ctypes pointers, which cannot be
+        # pickled): a copy or a pickle rebuilds it from the buffers on first use
+        return {**self.__dict__, "_derived_key": None, "_certificate": None, "_layouts": {}}
 
     def _key(self):
         return tuple((t.data_ptr(), t._version, t.device) for t in (self.weight_packed,
@@ -257,7 +272,24 @@ class _PackedExactLinear(nn.Module):
                 float_bits(x2).cpu().numpy(), x_format, self.weight_packed[slow].cpu().numpy(),
                 float_bits(self.weight_scale[slow]).cpu().numpy(), act_bits=self.act_bits,
                 out_format=out_format, w_bits=self.bits), out_format).to(x.device)
+        if x.requires_grad and torch.is_grad_enabled():
+            y = _NoBackward.apply(x, y)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+
+
+class _NoBackward(torch.autograd.Function):
+    """Hands the layer's output on; a backward through it raises. Without it a graph would be
+    cut silently here: gradients upstream of the layer would be missing, not refused."""
+
+    @staticmethod
+    def forward(ctx, x, y):
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise ContractValueError(
+            "the exact layers define no gradient: x required grad, and a backward reached "
+            "PackedInt4Linear/ExactLinear (run them under torch.no_grad(), or detach x)")
 
 
 class PackedInt4Linear(_PackedExactLinear):

@@ -148,6 +148,9 @@ def test_layer_constructor_arguments():
         ExactLinear(64, 4, bits=2)
     with pytest.raises(ContractValueError, match="group_size must be 32"):
         ExactLinear.from_weight(torch.randn(4, 64), group_size=64)
+    for out_features in (0, True, 2.0):
+        with pytest.raises(ShapeError, match="out_features must be a positive integer"):
+            PackedInt4Linear(64, out_features)
 
 
 def corrupt(key, value):

@@ -1,6 +1,8 @@
 """The production layer against the reference, bit for bit, on every path available here."""
 
 import contextlib
+import copy
+import io
 from unittest import mock
 
 import numpy as np
@@ -11,7 +13,7 @@ from hypothesis import strategies as st
 
 from exactness import ExactLinear, PackedInt4Linear
 from exactness.cases import LinearCase, load_vectors
-from exactness.contract import BFLOAT16, FLOAT32, FORMATS
+from exactness.contract import BFLOAT16, FLOAT32, FORMATS, ContractValueError
 from exactness.counterexamples import check_bits
 from exactness.dataflow import activation_limbs
 from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits, torch_dtype
@@ -426,6 +428,48 @@ def test_derived_data_is_rebuilt_when_the_weights_change(path):
     sd["weight_scale"] /= 2
     layer.load_state_dict(sd)
     assert (tensor_to_bits(layer(x)) == before).all()
+
+
+@pytest.mark.parametrize("path", ["cpu", pytest.param("triton", marks=needs_triton)])
+def test_copies_and_pickles_rebuild_the_derived_data(path):
+    """After a forward the layer holds its kernels' derived data (on the CPU, ctypes pointers);
+    a deep copy or a pickle of it must still work and give the same bits."""
+    case = load_vectors()[0]
+    layer = layer_for(case, path)
+    x = bits_to_tensor(case.x_bits, case.x_format)
+    before = tensor_to_bits(layer(x))
+    buffer = io.BytesIO()
+    torch.save(layer, buffer)
+    buffer.seek(0)
+    for copy_ in (copy.deepcopy(layer), torch.load(buffer, weights_only=False)):
+        assert (tensor_to_bits(copy_(x)) == before).all()
+
+
+@pytest.mark.parametrize("cast", ["half", "float", "bfloat16", "double"])
+def test_a_cast_of_the_model_keeps_the_scales_bits(cast):
+    """half(), float(), to(dtype) cast every floating buffer; the checkpoint's bf16 scales are
+    the format itself and stay as they are, so the outputs' bits do not move."""
+    case = load_vectors()[0]
+    layer = layer_for(case, "cpu")
+    x = bits_to_tensor(case.x_bits, case.x_format)
+    before = tensor_to_bits(layer(x))
+    scale = layer.weight_scale.clone()
+    getattr(layer, cast)()
+    assert layer.weight_scale.dtype == torch.bfloat16 and torch.equal(layer.weight_scale, scale)
+    assert (tensor_to_bits(layer(x)) == before).all()
+
+
+def test_a_backward_through_the_layer_raises():
+    """With x requiring grad the forward gives the same bits, and a backward is refused rather
+    than the graph cut silently (no gradient would reach what lies upstream)."""
+    layer = ExactLinear.from_weight(torch.randn(8, 64))
+    x = torch.randn(3, 64, requires_grad=True)
+    y = layer(x)
+    assert y.requires_grad and torch.equal(y.detach(), layer(x.detach()))
+    with pytest.raises(ContractValueError, match="no gradient"):
+        (y * 2).sum().backward()
+    with torch.no_grad():
+        assert not layer(x).requires_grad
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
