@@ -62,6 +62,9 @@ def main() -> int:
     refused = nonfinite_refused("cuda")
     print(f"non-finite x: {'ValueError with the count' if refused else 'NOT REFUSED'}")
     bad += not refused
+    captured = capture_refused()
+    print(f"CUDA-graph capture: {'refused, typed' if captured else 'NOT REFUSED CLEARLY'}")
+    bad += not captured
     print(f"| shape | M | exact ms (layer) | bf16 ms | ratio bf16/exact (speed-up) | "
           f"group kernel ms (K split as k_slices says / whole) | folded ms "
           f"(triton_exact.FOLDED_MIN_ROWS = {triton_exact.FOLDED_MIN_ROWS}) |")
@@ -92,6 +95,27 @@ def nonfinite_refused(device: str) -> bool:
     except NonFiniteError as error:
         return "x has 2 non-finite value(s); the first at index (1, 5)" in str(error)
     return False
+
+
+def capture_refused() -> bool:
+    """Whether a forward under CUDA-graph capture raises the layer's own error before it
+    launches anything (a graph's replay could not raise for a non-finite x), and the layer
+    still runs eagerly afterwards."""
+    from exactness.contract import ContractValueError
+    from exactness.modules import ExactLinear
+
+    layer = ExactLinear.from_weight(torch.randn(4, 64)).to("cuda")
+    x = torch.randn(3, 64, device="cuda").bfloat16()
+    layer(x)  # compiled and derived before the capture
+    refused = False
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            layer(x)
+    except ContractValueError as error:
+        refused = "CUDA graph" in str(error)
+    except RuntimeError:  # torch's own, from inside the capture: not the layer's error
+        refused = False
+    return refused and layer(x).shape == (3, 4)
 
 
 def both_paths(layer, x, timer=None) -> tuple[str, str, bool]:

@@ -243,6 +243,11 @@ class _PackedExactLinear(nn.Module):
             y = native.linear(x2, self.act_bits, self._cpu_layout(native.NativeWeights),
                               cert.emin, out_format)  # checks finiteness on the way
         elif path == "triton":
+            if triton_exact.capturing(x2):
+                raise ContractValueError(
+                    "the exact layers cannot be captured into a CUDA graph: a forward reads its "
+                    "non-finite flags back to raise the contract's ValueError, which a graph's "
+                    "replay could not do; run them eagerly")
             limbs, e_r, nonfinite = triton_exact.quantize(x2, self.act_bits)
             args = (limbs, e_r, self.weight_packed, *self.gpu_weights(x.device), self.bits)
             if (x2.shape[0] >= triton_exact.FOLDED_MIN_ROWS

@@ -247,6 +247,20 @@ def test_the_gpu_checks_non_finite_check_runs():
 
 
 @needs_triton
+def test_a_cuda_graph_capture_is_refused_before_any_launch(monkeypatch):
+    """Under capture the layer raises its own error at once (a replay could not raise the
+    contract's ValueError for a non-finite x); bench/gpu_check.py checks it on a real GPU."""
+    layer = ExactLinear.from_weight(torch.randn(4, 64), backend="triton")
+    x = torch.randn(3, 64)
+    monkeypatch.setattr(triton_exact, "capturing", lambda x: True)
+    monkeypatch.setattr(triton_exact, "quantize", mock.Mock(side_effect=AssertionError))
+    with pytest.raises(ContractValueError, match="cannot be captured into a CUDA graph"):
+        layer(x)
+    monkeypatch.undo()
+    assert not triton_exact.capturing(x) and layer(x).shape == (3, 4)
+
+
+@needs_triton
 def test_the_gpu_checks_two_paths_agree():
     """bench/gpu_check.py's side-by-side of the group kernel and linear_folded, small and under
     the interpreter: both run, with the same bits."""

@@ -446,6 +446,11 @@ def _multiprocessors(index: int | None) -> int:
     return torch.cuda.get_device_properties(index or 0).multi_processor_count
 
 
+def capturing(x: torch.Tensor) -> bool:
+    """Whether x's stream is being captured into a CUDA graph."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def folded_fits(m: int, n: int, k: int) -> bool:
     """Whether linear_folded takes this shape: its int8 GEMM sums K products in int32
     (dataflow.int_mm_bound), and cuBLAS's takes more than 16 rows, N and K multiples of 8."""
