@@ -49,6 +49,12 @@ def _dispatch(argv: list[str] | None) -> int:
         from .mutants import main as mutants_main
 
         return mutants_main(argv[1:])
+    sub.add_parser("gate", help="the CI gate: which profile .ci/run verifies in, and why",
+                   add_help=False)
+    if argv[:1] == ["gate"]:
+        from .gate import main as gate_main
+
+        return gate_main(argv[1:])
     if argv[:1] == ["repro"]:
         from .repro import main as repro_main
 

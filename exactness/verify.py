@@ -235,6 +235,10 @@ def main(thorough: bool = False, stages: list[str] | None = None) -> int:
               "seconds": round(time.perf_counter() - begin, 1),
               "outputs_compared": sum(r.compared for r in results),
               "stages": [asdict(r) for r in results]}
+    if ok and thorough and not stages and not mutant:
+        from .gate import record_thorough_verdict
+
+        record_thorough_verdict(report["seconds"])
     (REPORTS / "verify.json").write_text(json.dumps(report, indent=2))
     (REPORTS / "verify-junit.xml").write_text(_junit(results))
     print(f"\n  verdict: {report['verdict']}  ({report['outputs_compared']} outputs compared bit "

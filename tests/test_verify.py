@@ -44,3 +44,23 @@ def test_an_unexplained_outcome_is_unknown(monkeypatch, tmp_path, returncode, ca
     got = session_outcome(monkeypatch, tmp_path, returncode, cases)
     assert "unknown" in {r.verdict for r in got.values()}
     assert "failed" not in {r.verdict for r in got.values()}
+
+
+@pytest.mark.parametrize("thorough, stages, verdict, recorded", [
+    (True, None, "passed", True),
+    (False, None, "passed", False),  # the ci profile vouches for nothing thorough
+    (True, ["fake"], "passed", False),  # a subset of the stages
+    (True, None, "failed", False),
+    (True, None, "unknown", False),
+])
+def test_only_an_exact_thorough_run_of_every_stage_is_recorded_for_the_gate(
+        monkeypatch, tmp_path, thorough, stages, verdict, recorded):
+    from exactness import gate
+
+    monkeypatch.setattr(verify, "REPORTS", tmp_path)
+    monkeypatch.setattr(verify, "STAGES", [verify.Stage(
+        "fake", "", lambda profile: verify.StageResult("fake", verdict, checks=1))])
+    calls = []
+    monkeypatch.setattr(gate, "record_thorough_verdict", calls.append)
+    assert verify.main(thorough, stages) == (0 if verdict == "passed" else 1)
+    assert len(calls) == recorded

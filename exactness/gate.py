@@ -1,0 +1,86 @@
+"""The CI gate on kernel changes: which Hypothesis profile `.ci/run` verifies in.
+
+Thorough when the watched files (the kernels and the arithmetic they are proved against) changed
+since the base commit (`EXACTNESS_BASE`, default the previous commit), or differ from the files
+the last exact `verify --thorough` ran on, whose digest it records in THOROUGH_STAMP. The base
+sees one commit; the stamp sees every commit since a thorough verdict, so a push of several whose
+last leaves the kernel alone is still verified thoroughly. Either rule only adds thorough runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WATCHED = ("exactness/kernels", "exactness/dataflow.py", "exactness/formats.py",
+           "exactness/modules.py", "exactness/reference.py", "proofs")
+THOROUGH_STAMP = Path(".ci/thorough-verified")
+
+
+def _git(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["git", *args], cwd=root, capture_output=True)
+
+
+def watched_digest(root: Path = ROOT) -> str | None:
+    """sha256 of the watched files git tracks, as they are in the working tree (None outside a
+    git checkout)."""
+    try:
+        listed = _git(root, "ls-files", "-z", "--", *WATCHED)
+    except OSError:
+        return None
+    if listed.returncode != 0:
+        return None
+    digest = hashlib.sha256()
+    for name in sorted(n for n in listed.stdout.split(b"\0") if n):
+        path = root / name.decode()
+        digest.update(name + b"\0" + (path.read_bytes() if path.exists() else b"(deleted)") + b"\0")
+    return digest.hexdigest()
+
+
+def stamped_digest(root: Path = ROOT) -> str | None:
+    stamp = root / THOROUGH_STAMP
+    words = stamp.read_text().split() if stamp.exists() else []
+    return words[0] if words else None
+
+
+def record_thorough_verdict(seconds: float, root: Path = ROOT) -> None:
+    """After an exact `verify --thorough` of every stage: the digest of the files it verified."""
+    digest = watched_digest(root)
+    if digest is not None:
+        (root / THOROUGH_STAMP).parent.mkdir(exist_ok=True)
+        (root / THOROUGH_STAMP).write_text(
+            f"{digest}  verify --thorough exact on {datetime.date.today()}, {seconds:.0f} s\n")
+
+
+def profile(base: str, root: Path = ROOT) -> tuple[str, str]:
+    """("thorough" | "ci", why)."""
+    digest = watched_digest(root)
+    if digest is None:
+        return "thorough", "not a git checkout: nothing to compare with"
+    reasons = []
+    if stamped_digest(root) != digest:
+        reasons.append(f"the watched files differ from the last thorough verdict's "
+                       f"({THOROUGH_STAMP})")
+    known = _git(root, "rev-parse", "-q", "--verify", f"{base}^{{commit}}").returncode == 0
+    if known and _git(root, "diff", "--quiet", base, "HEAD", "--", *WATCHED).returncode != 0:
+        reasons.append(f"the watched files changed since {base}")
+    if reasons:
+        return "thorough", "; ".join(reasons)
+    return "ci", f"the watched files unchanged since {base} and since the last thorough verdict"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m exactness gate", description=__doc__)
+    parser.add_argument("--base", default=os.environ.get("EXACTNESS_BASE", "HEAD~1"),
+                        help="the commit to compare with (default $EXACTNESS_BASE or HEAD~1)")
+    args = parser.parse_args(argv)
+    chosen, why = profile(args.base)
+    print(f"CI gate: verify in the {chosen} profile: {why}", file=sys.stderr)
+    print(chosen)
+    return 0

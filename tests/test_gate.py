@@ -1,0 +1,64 @@
+"""The CI gate's choice of profile (exactness/gate.py), in a repository of its own."""
+
+import subprocess
+
+import pytest
+
+from exactness import gate
+
+
+def git(root, *args):
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=root,
+                   check=True, capture_output=True)
+
+
+def commit(root, path, text):
+    (root / path).parent.mkdir(parents=True, exist_ok=True)
+    (root / path).write_text(text)
+    git(root, "add", "-A")
+    git(root, "commit", "-qm", f"{path}: {text}")
+
+
+@pytest.fixture
+def repo(tmp_path):
+    git(tmp_path, "init", "-q")
+    commit(tmp_path, "exactness/kernels/kernel.py", "v1")
+    commit(tmp_path, "README.md", "v1")
+    return tmp_path
+
+
+def test_no_thorough_verdict_yet_means_thorough(repo):
+    chosen, why = gate.profile("HEAD~1", repo)
+    assert chosen == "thorough" and "last thorough verdict" in why
+
+
+def test_a_recorded_verdict_on_these_files_means_ci(repo):
+    gate.record_thorough_verdict(1.0, repo)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "stamp")
+    assert gate.profile("HEAD~1", repo)[0] == "ci"
+
+
+def test_a_kernel_change_in_the_last_commit_means_thorough(repo):
+    gate.record_thorough_verdict(1.0, repo)
+    commit(repo, "exactness/kernels/kernel.py", "v2")
+    chosen, why = gate.profile("HEAD~1", repo)
+    assert chosen == "thorough" and "changed since HEAD~1" in why
+
+
+def test_a_kernel_change_behind_a_later_commit_still_means_thorough(repo):
+    """What comparing with the previous commit alone missed: a push of several commits whose
+    last leaves the kernel alone."""
+    gate.record_thorough_verdict(1.0, repo)
+    git(repo, "add", "-A")
+    git(repo, "commit", "-qm", "stamp")
+    commit(repo, "exactness/kernels/kernel.py", "v2")
+    commit(repo, "README.md", "v2")
+    chosen, why = gate.profile("HEAD~1", repo)
+    assert chosen == "thorough" and why.startswith("the watched files differ")
+    gate.record_thorough_verdict(1.0, repo)  # verified thoroughly on v2: ci from then on
+    assert gate.profile("HEAD~1", repo)[0] == "ci"
+
+
+def test_outside_a_git_checkout_means_thorough(tmp_path):
+    assert gate.profile("HEAD~1", tmp_path)[0] == "thorough"
