@@ -148,13 +148,14 @@ class _PackedExactLinear(nn.Module):
     # ----------------------------------------------------------------- derived data
 
     def _apply(self, fn, recurse=True):
-        # The scales are the checkpoint's bf16 bits, part of the format: a cast of the model
-        # (half(), float(), to(dtype)) would change every output's bits, so they keep their
-        # dtype; a move to another device moves them.
-        scale = self.weight_scale
+        # The buffers are the checkpoint's format: a cast of the model (half(), float(),
+        # to(dtype), type()) would change every output's bits (the bf16 scales) or garble the
+        # packed words, so they keep their dtypes; a move to another device moves them.
+        before = dict(self._buffers)
         super()._apply(fn, recurse)
-        if self.weight_scale.dtype != torch.bfloat16:
-            self.weight_scale = scale.to(self.weight_scale.device)
+        for name, buffer in before.items():
+            if self._buffers[name].dtype != buffer.dtype:
+                self._buffers[name] = buffer.to(self._buffers[name].device)
         return self
 
     def __getstate__(self) -> dict:

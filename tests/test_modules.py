@@ -459,17 +459,21 @@ def test_copies_and_pickles_rebuild_the_derived_data(path):
         assert (tensor_to_bits(copy_(x)) == before).all()
 
 
-@pytest.mark.parametrize("cast", ["half", "float", "bfloat16", "double"])
-def test_a_cast_of_the_model_keeps_the_scales_bits(cast):
-    """half(), float(), to(dtype) cast every floating buffer; the checkpoint's bf16 scales are
-    the format itself and stay as they are, so the outputs' bits do not move."""
+@pytest.mark.parametrize("cast", [torch.nn.Module.half, torch.nn.Module.float,
+                                  torch.nn.Module.double, lambda m: m.to(torch.float16),
+                                  lambda m: m.type(torch.float32)])
+def test_a_cast_of_the_model_keeps_the_buffers(cast):
+    """half(), float(), to(dtype) cast every floating buffer, type() every buffer; the
+    checkpoint's buffers are the format itself (the bf16 scales, the int32 words) and stay as
+    they are, so the outputs' bits do not move."""
     case = load_vectors()[0]
     layer = layer_for(case, "cpu")
     x = bits_to_tensor(case.x_bits, case.x_format)
     before = tensor_to_bits(layer(x))
-    scale = layer.weight_scale.clone()
-    getattr(layer, cast)()
-    assert layer.weight_scale.dtype == torch.bfloat16 and torch.equal(layer.weight_scale, scale)
+    buffers = {name: b.clone() for name, b in layer.named_buffers()}
+    cast(layer)
+    for name, buffer in layer.named_buffers():
+        assert buffer.dtype == buffers[name].dtype and torch.equal(buffer, buffers[name]), name
     assert (tensor_to_bits(layer(x)) == before).all()
 
 
