@@ -1,10 +1,12 @@
 """GPU check, in one run: bit-exactness of the Triton kernel on CUDA against the reference, the
 refusal of a non-finite x (the kernel's row flags, read back by the layer), then kernel vs torch
 bf16 matmul timings (CUDA events, median), as ratios, with the forward's two GPU paths side by
-side (the group kernel; linear_folded, taken from triton_exact.FOLDED_MIN_ROWS rows), then the
+side (the group kernel; linear_folded, taken from triton_exact.FOLDED_MIN_ROWS rows), each
+also replayed from a CUDA graph (the device's time without the host's launches), then the
 quantization alone and the group kernel's other tiles and warp counts at M = 1, 16, 128 and 4096
 (same bits, their times), so that one run on a lent GPU also says which launch and crossover to
-make the default. Prints tables; exit 1 on any differing bit or a non-finite x let through."""
+make the default. Prints tables; exit 1 on any differing bit, a non-finite x let through or a
+capture not refused."""
 
 from __future__ import annotations
 
@@ -32,6 +34,32 @@ def cuda_ms(fn, repeats=50) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return float(np.median(times))
+
+
+def graph_ms(fn, repeats=20, calls=20) -> float:
+    """fn's ms a call, replayed from a CUDA graph of `calls` calls: the device's own time, without
+    the host's launches in between (what a model run under CUDA graphs would see). The layer
+    itself refuses capture (its flags' read-back): this times its launches alone."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (compilation, allocator) off the capture
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return cuda_ms(graph.replay, repeats) / calls
+
+
+def graphed(layer, x, w) -> str:
+    """Table cells: the quantization, both paths (both_paths) and bf16, each under a CUDA graph."""
+    try:
+        quantize = graph_ms(lambda: triton_exact.quantize(x, 16))
+        group, folded, _ = both_paths(layer, x, graph_ms)
+        return f"{quantize:.3f} | {group} | {folded} | {graph_ms(lambda: x @ w.t()):.3f}"
+    except Exception as error:  # say so, go on: the rest of the run still counts
+        return f"failed: {type(error).__name__}: {str(error)[:80]} | | |"
 
 
 def kimi_on(k: int, n: int, device: str):
@@ -67,7 +95,8 @@ def main() -> int:
     bad += not captured
     print(f"| shape | M | exact ms (layer) | bf16 ms | ratio bf16/exact (speed-up) | "
           f"group kernel ms (K split as k_slices says / whole) | folded ms "
-          f"(triton_exact.FOLDED_MIN_ROWS = {triton_exact.FOLDED_MIN_ROWS}) |")
+          f"(triton_exact.FOLDED_MIN_ROWS = {triton_exact.FOLDED_MIN_ROWS}) | "
+          f"graphed: quantize ms | graphed: group ms | graphed: folded ms | graphed: bf16 ms |")
     for k, n in ((7168, 2048), (2048, 7168)):
         layer, w = kimi_on(k, n, "cuda")
         for m in (1, 16, 32, 64, 128, 512, 4096):
@@ -76,7 +105,8 @@ def main() -> int:
             group, folded, same = both_paths(layer, x)
             bad += not same
             print(f"| {k}->{n} | {m} | {exact:.3f} | {bf16:.3f} | {bf16 / exact:.2f} | "
-                  f"{group} | {folded}{'' if same else ' DIFFERENT BITS'} |")
+                  f"{group} | {folded}{'' if same else ' DIFFERENT BITS'} | "
+                  f"{graphed(layer, x, w)} |")
     bad += tiles()
     return 1 if bad else 0
 
