@@ -49,13 +49,15 @@ def stamped_digest(root: Path = ROOT) -> str | None:
     return words[0] if words else None
 
 
-def record_thorough_verdict(seconds: float, root: Path = ROOT) -> None:
-    """After an exact `verify --thorough` of every stage: the digest of the files it verified."""
-    digest = watched_digest(root)
-    if digest is not None:
-        (root / THOROUGH_STAMP).parent.mkdir(exist_ok=True)
-        (root / THOROUGH_STAMP).write_text(
-            f"{digest}  verify --thorough exact on {datetime.date.today()}, {seconds:.0f} s\n")
+def record_thorough_verdict(verified: str | None, seconds: float, root: Path = ROOT) -> bool:
+    """After an exact `verify --thorough` of every stage: records `verified`, the watched files'
+    digest when it began, if they still have it (not if they were edited while it ran)."""
+    if verified is None or watched_digest(root) != verified:
+        return False
+    (root / THOROUGH_STAMP).parent.mkdir(exist_ok=True)
+    (root / THOROUGH_STAMP).write_text(
+        f"{verified}  verify --thorough exact on {datetime.date.today()}, {seconds:.0f} s\n")
+    return True
 
 
 def profile(base: str, root: Path = ROOT) -> tuple[str, str]:

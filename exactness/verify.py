@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import gate
+
 ROOT = Path(__file__).resolve().parent.parent
 REPORTS = ROOT / "reports"
 
@@ -193,6 +195,7 @@ def main(thorough: bool = False, stages: list[str] | None = None) -> int:
     print(f"exactness verify  (Hypothesis profile: {profile}"
           f"{f', planted mutant: {mutant.name}' if mutant else ''})", flush=True)
     REPORTS.mkdir(exist_ok=True)
+    verifying = gate.watched_digest() if thorough else None  # the files this run vouches for
     results = []
     done: dict[str, StageResult] = {}  # stages a pytest session ran with an earlier one
     begin = time.perf_counter()
@@ -236,9 +239,7 @@ def main(thorough: bool = False, stages: list[str] | None = None) -> int:
               "outputs_compared": sum(r.compared for r in results),
               "stages": [asdict(r) for r in results]}
     if ok and thorough and not stages and not mutant:
-        from .gate import record_thorough_verdict
-
-        record_thorough_verdict(report["seconds"])
+        gate.record_thorough_verdict(verifying, report["seconds"])
     (REPORTS / "verify.json").write_text(json.dumps(report, indent=2))
     (REPORTS / "verify-junit.xml").write_text(_junit(results))
     print(f"\n  verdict: {report['verdict']}  ({report['outputs_compared']} outputs compared bit "

@@ -33,14 +33,14 @@ def test_no_thorough_verdict_yet_means_thorough(repo):
 
 
 def test_a_recorded_verdict_on_these_files_means_ci(repo):
-    gate.record_thorough_verdict(1.0, repo)
+    gate.record_thorough_verdict(gate.watched_digest(repo), 1.0, repo)
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "stamp")
     assert gate.profile("HEAD~1", repo)[0] == "ci"
 
 
 def test_a_kernel_change_in_the_last_commit_means_thorough(repo):
-    gate.record_thorough_verdict(1.0, repo)
+    gate.record_thorough_verdict(gate.watched_digest(repo), 1.0, repo)
     commit(repo, "exactness/kernels/kernel.py", "v2")
     chosen, why = gate.profile("HEAD~1", repo)
     assert chosen == "thorough" and "changed since HEAD~1" in why
@@ -49,16 +49,24 @@ def test_a_kernel_change_in_the_last_commit_means_thorough(repo):
 def test_a_kernel_change_behind_a_later_commit_still_means_thorough(repo):
     """What comparing with the previous commit alone missed: a push of several commits whose
     last leaves the kernel alone."""
-    gate.record_thorough_verdict(1.0, repo)
+    gate.record_thorough_verdict(gate.watched_digest(repo), 1.0, repo)
     git(repo, "add", "-A")
     git(repo, "commit", "-qm", "stamp")
     commit(repo, "exactness/kernels/kernel.py", "v2")
     commit(repo, "README.md", "v2")
     chosen, why = gate.profile("HEAD~1", repo)
     assert chosen == "thorough" and why.startswith("the watched files differ")
-    gate.record_thorough_verdict(1.0, repo)  # verified thoroughly on v2: ci from then on
+    # verified thoroughly on v2: the ci profile from then on
+    gate.record_thorough_verdict(gate.watched_digest(repo), 1.0, repo)
     assert gate.profile("HEAD~1", repo)[0] == "ci"
 
 
 def test_outside_a_git_checkout_means_thorough(tmp_path):
     assert gate.profile("HEAD~1", tmp_path)[0] == "thorough"
+
+
+def test_files_edited_while_verify_ran_are_not_recorded(repo):
+    began = gate.watched_digest(repo)
+    (repo / "exactness/kernels/kernel.py").write_text("edited meanwhile")
+    assert not gate.record_thorough_verdict(began, 1.0, repo)
+    assert gate.stamped_digest(repo) is None

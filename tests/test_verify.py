@@ -61,6 +61,6 @@ def test_only_an_exact_thorough_run_of_every_stage_is_recorded_for_the_gate(
     monkeypatch.setattr(verify, "STAGES", [verify.Stage(
         "fake", "", lambda profile: verify.StageResult("fake", verdict, checks=1))])
     calls = []
-    monkeypatch.setattr(gate, "record_thorough_verdict", calls.append)
+    monkeypatch.setattr(gate, "record_thorough_verdict", lambda *args: calls.append(args))
     assert verify.main(thorough, stages) == (0 if verdict == "passed" else 1)
     assert len(calls) == recorded
