@@ -249,15 +249,7 @@ class _PackedExactLinear(nn.Module):
                     "the exact layers cannot be captured into a CUDA graph: a forward reads its "
                     "non-finite flags back to raise the contract's ValueError, which a graph's "
                     "replay could not do; run them eagerly")
-            limbs, e_r, nonfinite = triton_exact.quantize(x2, self.act_bits)
-            args = (limbs, e_r, self.weight_packed, *self.gpu_weights(x.device), self.bits)
-            if (x2.shape[0] >= triton_exact.FOLDED_MIN_ROWS
-                    and triton_exact.folded_fits(x2.shape[0], n, k)
-                    and cpu.int_mm_exact(str(x.device))):
-                y = triton_exact.linear_folded(
-                    *args, dataflow.folded_weight_limbs(self.bits, cert.fast_spread), out_dtype)
-            else:
-                y = triton_exact.linear(*args, out_dtype)
+            y, nonfinite = self._triton_launches(x2, out_dtype)
             # read back once every launch is queued: the device never waits on the host between
             if bool(nonfinite.cpu().any()):
                 check_finite(float_bits(x2), x_format, "x")  # raises, with the count and index
@@ -281,6 +273,25 @@ class _PackedExactLinear(nn.Module):
         if x.requires_grad and torch.is_grad_enabled():
             y = _NoBackward.apply(x, y)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+
+
+    def _triton_launches(self, x2: torch.Tensor, out_dtype: torch.dtype):
+        """(y, the rows' non-finite flags) by the Triton kernels, nothing read back; in blocks
+        of rows that keep each launch's offsets in int32 (triton_exact.rows_per_launch)."""
+        k, n = self.in_features, self.out_features
+        weights = (self.weight_packed, *self.gpu_weights(x2.device), self.bits)
+        digits = dataflow.folded_weight_limbs(self.bits, self._certificate.fast_spread)
+        ys, flags = [], []
+        for rows in x2.split(triton_exact.rows_per_launch(k, n, self.act_bits)):
+            limbs, e_r, nonfinite = triton_exact.quantize(rows, self.act_bits)
+            if (rows.shape[0] >= triton_exact.FOLDED_MIN_ROWS
+                    and triton_exact.folded_fits(rows.shape[0], n, k)
+                    and cpu.int_mm_exact(str(rows.device))):
+                ys.append(triton_exact.linear_folded(limbs, e_r, *weights, digits, out_dtype))
+            else:
+                ys.append(triton_exact.linear(limbs, e_r, *weights, out_dtype))
+            flags.append(nonfinite)
+        return (ys[0], flags[0]) if len(ys) == 1 else (torch.cat(ys), torch.cat(flags))
 
 
 class _NoBackward(torch.autograd.Function):

@@ -151,9 +151,7 @@ def hunt(mutant: Mutant, directory: Path) -> Outcome:
     with applied(mutant):
         for node, test in tests:
             began = time.time()
-            try:
-                test()
-            except Exception:  # noqa: BLE001 - a failure or a crash both kill
+            if fails(test):
                 killed_by = node
                 break
     seconds = time.perf_counter() - start
@@ -178,9 +176,31 @@ def hunt(mutant: Mutant, directory: Path) -> Outcome:
 
 
 def _killer(node_id: str):
+    """The test function `node_id` names; it must run with no arguments (a Hypothesis property,
+    or a plain test without parameters or fixtures): called without the ones it needs it would
+    raise a TypeError, which fails() would count as a kill under any mutant, or none."""
     path, name = node_id.split("::")
     module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
-    return getattr(module, name)
+    test = getattr(module, name)
+    needed = [p.name for p in inspect.signature(test).parameters.values()
+              if p.default is inspect.Parameter.empty
+              and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if needed:
+        raise ValueError(f"killer {node_id} needs arguments {needed} (parameters or fixtures): "
+                         f"a killer must run as test()")
+    return test
+
+
+def fails(test) -> bool:
+    """Whether the killer fails: an assertion, pytest.fail or pytest.raises (whose exceptions
+    are BaseExceptions), or a crash. A skip is not a failure, and is raised."""
+    import pytest
+
+    try:
+        test()
+    except (Exception, pytest.fail.Exception):  # noqa: BLE001 - a failure or a crash both kill
+        return True
+    return False
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -416,6 +436,19 @@ CATALOGUE = (
            "(row_max >= ((1 << EXP) - 1) << MANT)", "(row_max > ((1 << EXP) - 1) << MANT)",
            "the Triton quantization flags rows holding NaN but not rows holding an infinity, "
            "which then goes through as a number", (NON_FINITE,)),
+    Mutant("launch-blocks-read-the-first-rows",
+           "exactness.modules:_PackedExactLinear._triton_launches",
+           "triton_exact.quantize(rows, self.act_bits)",
+           "triton_exact.quantize(x2[:len(rows)], self.act_bits)",
+           "each block of rows launched to keep offsets in int32 reads the first block's rows "
+           "(the block's offset not carried into its launch)",
+           ("tests/test_modules.py::test_launches_in_blocks_of_rows_match_reference",)),
+    Mutant("launch-blocks-flags-of-the-first",
+           "exactness.modules:_PackedExactLinear._triton_launches",
+           "(torch.cat(ys), torch.cat(flags))", "(torch.cat(ys), flags[0])",
+           "only the first block's non-finite flags read back: a NaN in a later block goes "
+           "through as a number",
+           ("tests/test_modules.py::test_a_non_finite_x_in_a_later_block_of_rows_is_counted_in_x",)),
     Mutant("kernel-output-sign-dropped", "exactness.kernels.triton_exact:round_scaled",
            "bits = bits | tl.where(m < 0, (a * 0 + 1) << (MANT + EXP), 0)", "bits = bits",
            "the sign bit not set on negative outputs in the Triton epilogue",

@@ -15,7 +15,7 @@ from exactness import ExactLinear, PackedInt4Linear
 from exactness.cases import LinearCase, load_vectors
 from exactness.contract import BFLOAT16, FLOAT32, FORMATS, ContractValueError
 from exactness.counterexamples import check_bits
-from exactness.dataflow import activation_limbs
+from exactness.dataflow import act_limbs, activation_limbs
 from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits, torch_dtype
 from exactness.kernels import native, triton_exact
 from exactness.paths import available_paths, layer_for, run
@@ -225,6 +225,30 @@ def test_the_quantize_kernel_at_any_slicing_and_tile(case, slices, tile):
     x[-1, -1] = float("inf")
     flags = nonfinite.tolist() + triton_exact.quantize(x, case.act_bits, slices, tile)[2].tolist()
     assert exact and flags == [0] * (2 * len(x) - 1) + [1]  # one line: one failure to shrink
+
+
+@needs_triton
+@settings(max_examples=max(10, settings.default.max_examples // 3))
+@given(linear_cases(max_k=96, max_n=24, max_rows=12), st.integers(1, 5))
+def test_launches_in_blocks_of_rows_match_reference(case, block):
+    """Past int32 offsets (triton_exact.rows_per_launch) a forward launches blocks of rows;
+    with the limit shrunk to `block` rows a launch, the bits are still the reference's."""
+    m, k, n = case.shape
+    limit = block * max(act_limbs(case.act_bits) * k, n)
+    with mock.patch.object(triton_exact, "INT32_OFFSETS", limit):
+        assert triton_exact.rows_per_launch(k, n, case.act_bits) == block
+        check_path(case, "triton")
+
+
+@needs_triton
+def test_a_non_finite_x_in_a_later_block_of_rows_is_counted_in_x():
+    layer = ExactLinear.from_weight(torch.randn(24, 64), backend="triton")
+    x = torch.randn(13, 64)
+    x[11, 3] = x[12, 0] = float("nan")
+    with mock.patch.object(triton_exact, "INT32_OFFSETS", 5 * 2 * 64):  # 5 rows a launch
+        with pytest.raises(ValueError, match=r"2 non-finite value\(s\); the first at index "
+                                             r"\(11, 3\)"):
+            layer(x)
 
 
 @needs_triton

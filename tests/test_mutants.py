@@ -2,6 +2,7 @@
 bugs of the agreement tests are caught by each of them. (`make mutants` gives the full table.)"""
 
 import os
+from unittest import mock
 
 import pytest
 
@@ -12,6 +13,7 @@ from exactness.mutants import (
     Mutant,
     _killer,
     applied,
+    fails,
     mutated_c_kernel,
     runs_here,
 )
@@ -19,15 +21,8 @@ from exactness.mutants import (
 
 def survivors(mutant: Mutant, killers) -> list[str]:
     tests = {node: _killer(node) for node in killers}  # imported before the mutant goes in
-    alive = []
     with applied(mutant):
-        for node, test in tests.items():
-            try:
-                test()
-            except Exception:  # noqa: BLE001 - a failure or a crash both kill the mutant
-                continue
-            alive.append(node)
-    return alive
+        return [node for node, test in tests.items() if not fails(test)]
 
 
 @pytest.mark.parametrize("mutant", CATALOGUE, ids=lambda m: m.name)
@@ -48,6 +43,28 @@ def test_the_start_up_self_check_refuses_the_c_mutant(mutant: Mutant):
     if not runs_here(mutant):
         pytest.skip("no C kernel here (AVX-512 VNNI and a C compiler)")
     assert not native._self_check(mutated_c_kernel(mutant))
+
+
+def test_every_killer_runs_without_arguments():
+    """A killer that needed arguments would raise a TypeError under any mutant: a kill that
+    proves nothing. _killer refuses one."""
+    for node in {node for m in CATALOGUE for node in m.killers}:
+        _killer(node)
+
+    def parametrized(path, dtype):
+        pass
+
+    with mock.patch("tests.test_errors.test_good_input_passes", parametrized):
+        with pytest.raises(ValueError, match=r"needs arguments \['path', 'dtype'\]"):
+            _killer("tests/test_errors.py::test_good_input_passes")
+
+
+def test_a_failing_pytest_raises_counts_as_a_kill():
+    def lets_it_through():
+        with pytest.raises(ValueError):
+            pass
+
+    assert fails(lets_it_through) and not fails(lambda: None)
 
 
 def test_catalogue_covers_the_bug_classes():

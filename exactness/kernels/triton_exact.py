@@ -446,6 +446,18 @@ def _multiprocessors(index: int | None) -> int:
     return torch.cuda.get_device_properties(index or 0).multi_processor_count
 
 
+# A launch computes its offsets into x, the limbs, T and y (row * row length + column) in int32,
+# as Triton does for pointer arithmetic on int32 indices: each of those tensors must stay under
+# this many elements, so a forward launches blocks of rows_per_launch rows (a 128K-token prefill
+# through a dense down-projection, K = 18432, is 2.4e9 activations).
+INT32_OFFSETS = 2**31 - 1
+
+
+def rows_per_launch(k: int, n: int, act_bits: int) -> int:
+    """The most rows of x [M, K] one forward's launches take (limbs [L, M, K], y [M, N])."""
+    return max(1, INT32_OFFSETS // max(dataflow.act_limbs(act_bits) * k, n))
+
+
 def capturing(x: torch.Tensor) -> bool:
     """Whether x's stream is being captured into a CUDA graph."""
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
