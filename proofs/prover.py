@@ -4,7 +4,10 @@ shows the wrong bits; unknown (timeout), never reported as proved.
 
 Verdicts of identical queries are cached (.proof-cache/, keyed by the Z3 version and the query
 text), so a re-run after an unrelated change costs nothing; a changed width or routine is a new
-query and is proved afresh.
+query and is proved afresh. The catalogue's proofs are also recorded in the repository
+(proofs/verdicts.json, `--record`: proved afresh, every obligation), so that a fresh clone
+re-proves only what changed since; `--no-cache` (what `make verify --thorough` runs) ignores
+both and proves everything.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from exactness.formats import pack_weights, round_scaled
 from . import obligations as ob
 
 CACHE = Path(".proof-cache/verdicts.json")
+RECORDED = Path(__file__).with_name("verdicts.json")
 KIMI_K = (2048, 7168, 18432)
 
 
@@ -50,18 +54,39 @@ class Verdict:
     key: str = ""
 
 
-def _cache() -> dict:
+def _read(path: Path) -> dict:
     try:
-        return json.loads(CACHE.read_text())
+        return json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+
+
+def _cache() -> dict:
+    """The recorded proofs, and this checkout's cache over them."""
+    recorded = {key: v for key, v in _read(RECORDED).items() if v.get("verdict") == "proved"}
+    return {**recorded, **_read(CACHE)}
+
+
+def query_key(query: z3.BoolRef) -> str:
+    return hashlib.sha256((z3.get_version_string() + query.sexpr()).encode()).hexdigest()
+
+
+def unrecorded() -> list[str]:
+    """The whole catalogue's obligations whose query has no recorded proof (`--record`)."""
+    recorded = _read(RECORDED)
+    missing = []
+    for o in catalogue(_parser().parse_args([])):
+        pre, post, _ = o.build()
+        if recorded.get(query_key(z3.And(pre, z3.Not(post))), {}).get("verdict") != "proved":
+            missing.append(o.name)
+    return missing
 
 
 def prove(o: ob.Obligation, timeout_s: float = 60.0, cache: dict | None = None) -> Verdict:
     start = time.perf_counter()
     pre, post, names = o.build()
     query = z3.And(pre, z3.Not(post))
-    key = hashlib.sha256((z3.get_version_string() + query.sexpr()).encode()).hexdigest()
+    key = query_key(query)
     meta = dict(name=o.name, w_bits=o.w_bits, a_bits=o.a_bits, k=o.k, acc_bits=o.acc_bits,
                 spread=o.spread, claim=o.claim)
     if cache is not None and key in cache:
@@ -187,7 +212,7 @@ def catalogue(args) -> list[ob.Obligation]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m exactness prove", description=__doc__)
     parser.add_argument("--w-bits", type=int, nargs="+", choices=(4, 8))
     parser.add_argument("--a-bits", type=int, nargs="+", choices=(4, 8, 16))
@@ -199,13 +224,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print a JSON list of verdicts")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per obligation")
     parser.add_argument("--no-rounding", action="store_true", help="skip the rounding proofs")
-    parser.add_argument("--no-cache", action="store_true")
+    parser.add_argument("--no-cache", action="store_true",
+                        help="prove everything afresh: no cache, no recorded verdicts")
+    parser.add_argument("--record", action="store_true",
+                        help=f"prove the whole catalogue afresh and record its proofs in "
+                             f"{RECORDED.parent.name}/{RECORDED.name}")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="processes")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     for k in args.k or ():
         if k <= 0 or k % GROUP_SIZE:
             parser.error(f"--k must be a positive multiple of {GROUP_SIZE}, got {k}")
-    cache = None if args.no_cache else _cache()
+    narrowed = [f for f in ("w_bits", "a_bits", "k", "acc_bits", "spread", "no_rounding")
+                if getattr(args, f) not in (None, False)]
+    if args.record and narrowed:
+        parser.error(f"--record proves the whole catalogue: drop {narrowed}")
+    cache = None if args.no_cache or args.record else _cache()
     start = time.perf_counter()
     global _JOBS
     _JOBS = [(o, args.timeout, cache) for o in catalogue(args)]
@@ -230,13 +268,19 @@ def main(argv: list[str] | None = None) -> int:
         CACHE.parent.mkdir(exist_ok=True)
         CACHE.write_text(json.dumps(cache))
     ok = all(v.verdict == "proved" for v in verdicts)
+    if args.record:
+        RECORDED.write_text(json.dumps({v.key: {"verdict": v.verdict, "model": None}
+                                        for v in verdicts if v.verdict == "proved"}, indent=0,
+                                       sort_keys=True) + "\n")
     if args.json:
         print(json.dumps([asdict(v) for v in verdicts], indent=1))
     else:
         counts = {s: sum(v.verdict == s for v in verdicts) for s in ("proved", "refuted",
                                                                       "unknown")}
+        cached = sum(v.cached for v in verdicts)
         print(f"\n{len(verdicts)} obligations: {counts['proved']} proved, {counts['refuted']} "
-              f"refuted, {counts['unknown']} unknown, in {total:.1f} s")
+              f"refuted, {counts['unknown']} unknown, in {total:.1f} s"
+              f"{f' ({cached} from the cache or the recorded proofs)' if cached else ''}")
     return 0 if ok else 1
 
 

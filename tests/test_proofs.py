@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+import z3
 from hypothesis import given, target
 from hypothesis import strategies as st
 
@@ -16,6 +17,7 @@ from exactness.paths import run
 from exactness.reference import combine_groups, group_dots, quantize_activations, split_scales
 from exactness.strategies import activation_bits, formats, int_weights, scale_bits
 from proofs import obligations as ob
+from proofs import prover
 from proofs.prover import extreme_case, main, prove
 
 
@@ -33,6 +35,28 @@ def test_kimi_config_proves(capsys):
     v = got["combine-w4-a16-k7168"]
     assert {"name", "w_bits", "a_bits", "k", "acc_bits", "verdict", "seconds",
             "counterexample"} <= set(v) and v["acc_bits"] == 64
+
+
+def test_every_obligation_has_a_recorded_proof():
+    """A fresh clone proves again only what changed since the recorded proofs; an obligation
+    changed without `--record` would make every ci-profile verify prove it afresh."""
+    missing = prover.unrecorded()
+    assert not missing, (f"no recorded proof for {missing}: run `python -m exactness prove "
+                         f"--record` and commit proofs/verdicts.json")
+
+
+def test_recorded_proofs_are_used_and_only_proofs(capsys, monkeypatch, tmp_path):
+    o = ob.limb_split(16)
+    pre, post, _ = o.build()
+    key = prover.query_key(z3.And(pre, z3.Not(post)))
+    monkeypatch.setattr(prover, "CACHE", tmp_path / "cache.json")
+    for recorded, cached in (("proved", True), ("refuted", False)):
+        (tmp_path / "recorded.json").write_text(json.dumps({key: {"verdict": recorded}}))
+        monkeypatch.setattr(prover, "RECORDED", tmp_path / "recorded.json")
+        assert prove(o, cache=prover._cache()).cached == cached
+    with pytest.raises(SystemExit):
+        main(["--record", "--k", "2048"])
+    assert "--record proves the whole catalogue" in capsys.readouterr().err
 
 
 def test_int32_combine_is_refuted_with_a_replayable_counterexample(capsys):
