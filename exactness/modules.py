@@ -274,7 +274,6 @@ class _PackedExactLinear(nn.Module):
             y = _NoBackward.apply(x, y)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
 
-
     def _triton_launches(self, x2: torch.Tensor, out_dtype: torch.dtype):
         """(y, the rows' non-finite flags) by the Triton kernels, nothing read back; in blocks
         of rows that keep each launch's offsets in int32 (triton_exact.rows_per_launch)."""

@@ -61,10 +61,21 @@ def _read(path: Path) -> dict:
         return {}
 
 
+def _recorded() -> dict:
+    """The recorded proofs (only proofs: an entry of any other verdict is not taken)."""
+    return {key: v for key, v in _read(RECORDED).items() if v.get("verdict") == "proved"}
+
+
 def _cache() -> dict:
     """The recorded proofs, and this checkout's cache over them."""
-    recorded = {key: v for key, v in _read(RECORDED).items() if v.get("verdict") == "proved"}
-    return {**recorded, **_read(CACHE)}
+    return {**_recorded(), **_read(CACHE)}
+
+
+def query_of(o: ob.Obligation) -> tuple[z3.BoolRef, dict]:
+    """The claim's negation under its preconditions (a model of it is a counterexample), and
+    the obligation's named variables."""
+    pre, post, names = o.build()
+    return z3.And(pre, z3.Not(post)), names
 
 
 def query_key(query: z3.BoolRef) -> str:
@@ -73,19 +84,14 @@ def query_key(query: z3.BoolRef) -> str:
 
 def unrecorded() -> list[str]:
     """The whole catalogue's obligations whose query has no recorded proof (`--record`)."""
-    recorded = _read(RECORDED)
-    missing = []
-    for o in catalogue(_parser().parse_args([])):
-        pre, post, _ = o.build()
-        if recorded.get(query_key(z3.And(pre, z3.Not(post))), {}).get("verdict") != "proved":
-            missing.append(o.name)
-    return missing
+    recorded = _recorded()
+    return [o.name for o in catalogue(_parser().parse_args([]))
+            if query_key(query_of(o)[0]) not in recorded]
 
 
 def prove(o: ob.Obligation, timeout_s: float = 60.0, cache: dict | None = None) -> Verdict:
     start = time.perf_counter()
-    pre, post, names = o.build()
-    query = z3.And(pre, z3.Not(post))
+    query, names = query_of(o)
     key = query_key(query)
     meta = dict(name=o.name, w_bits=o.w_bits, a_bits=o.a_bits, k=o.k, acc_bits=o.acc_bits,
                 spread=o.spread, claim=o.claim)
