@@ -1,36 +1,54 @@
-"""Hypothesis profiles; HYPOTHESIS_PROFILE selects one (default: dev).
-
-- ci: derandomized (the same examples on every run), no deadline, no example database, prints
-  the reproduction blob of a failure; no explain phase (it traces every line the Triton
-  interpreter runs while a failure shrinks: the kernel mutants' kills took 6x as long);
-- dev: random, with the local database, so a failure found once is replayed first next time;
-- thorough: nightly scale;
-- ci-kill: ci without shrinking (make verify's mutation stage).
-"""
+"""The suite's pytest set-up: the Hypothesis profile (exactness.suite.profiles), the Triton
+interpreter where there is no GPU, and a planted mutant where EXACTNESS_MUTANT names one."""
 
 import os
 
-from hypothesis import HealthCheck, Phase, settings
+# Without a GPU the Triton kernels run under the interpreter, so a plain `pytest` checks them too
+# (set before triton is first imported: it reads the variable then).
+if "TRITON_INTERPRET" not in os.environ:
+    import torch
 
-_SLOW_DATA = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
 
-settings.register_profile("ci", derandomize=True, deadline=None, database=None, print_blob=True,
-                          max_examples=60, suppress_health_check=_SLOW_DATA,
-                          phases=[p for p in Phase if p != Phase.explain])
-# make verify's mutation stage only needs to see each mutant die: no shrinking
-settings.register_profile("ci-kill", parent=settings.get_profile("ci"),
-                          phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target])
-settings.register_profile("dev", deadline=None, max_examples=100, suppress_health_check=_SLOW_DATA)
-settings.register_profile("thorough", deadline=None, max_examples=2000, print_blob=True,
-                          suppress_health_check=_SLOW_DATA)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+from exactness.suite import profiles  # noqa: E402
+
+profiles.load()
 
 
 def pytest_configure(config):
-    """EXACTNESS_MUTANT=name plants that catalogue mutant into the whole run (make mutants)."""
-    from exactness.mutants import applied, from_env
+    """EXACTNESS_MUTANT=name plants that catalogue mutant into the whole run."""
+    from exactness.suite.mutants import applied, from_env
 
     mutant = from_env()
-    if mutant is not None:
+    if mutant is not None and not hasattr(config, "_exactness_mutant"):
         config._exactness_mutant = applied(mutant)
         config._exactness_mutant.__enter__()
+
+
+def pytest_addoption(parser):
+    parser.addoption("--stage", action="append", default=[],
+                     help="run only the test modules of this make verify stage (repeatable)")
+
+
+def stage_of(item) -> str | None:
+    marker = item.get_closest_marker("stage")
+    return marker.args[0] if marker else None
+
+
+def pytest_collection_modifyitems(config, items):
+    """--stage keeps the chosen stages' tests; every test records its stage for the JUnit XML
+    make verify reads (a user property)."""
+    chosen = config.getoption("stage")
+    if chosen:
+        kept = [item for item in items if stage_of(item) in chosen]
+        config.hook.pytest_deselected(items=[item for item in items if item not in kept])
+        items[:] = kept
+    for item in items:
+        if stage_of(item):
+            item.user_properties.append(("stage", stage_of(item)))
+
+
+def pytest_runtest_setup(item):
+    """The running test's stage, for the outputs-compared tally (counterexamples._count)."""
+    os.environ["EXACTNESS_STAGE"] = stage_of(item) or "-"

@@ -18,7 +18,7 @@ import torch
 
 from exactness import PackedInt4Linear
 from exactness.formats import bits_to_tensor, pack_weights
-from exactness.precision import dequantized
+from exactness.suite.precision import dequantized
 
 SHAPES = {"gate/up 7168->2048": (7168, 2048), "down 2048->7168": (2048, 7168)}
 

@@ -15,11 +15,11 @@ import sys
 import numpy as np
 import torch
 
-from exactness.cases import LinearCase, load_vectors
 from exactness.contract import BFLOAT16
 from exactness.formats import pack_weights
 from exactness.kernels import triton_exact
-from exactness.paths import run
+from exactness.suite.cases import LinearCase, load_vectors
+from exactness.suite.paths import run
 
 
 def cuda_ms(fn, repeats=50) -> float:

@@ -1,6 +1,7 @@
 """exactness: exact int4 linear layers for Kimi K2 native checkpoints, and their verifier.
 
-Dataflow of the package: contract -> formats -> reference | kernels -> modules -> kimi.
+Dataflow of the package: contract -> formats -> quantize -> kernels -> modules -> kimi. The
+suite that verifies it (exactness.suite, proofs/) is never imported from here.
 """
 
 from .contract import (
@@ -10,8 +11,8 @@ from .contract import (
     NonFiniteError,
     ShapeError,
 )
+from .kernels import REGISTRY, KernelUnavailableError
 from .modules import ExactLinear, PackedInt4Linear
-from .reference import oracle_linear, reference_linear
 
 __all__ = [
     "ExactLinear",
@@ -21,7 +22,7 @@ __all__ = [
     "ExactnessError",
     "NonFiniteError",
     "ShapeError",
-    "oracle_linear",
-    "reference_linear",
+    "KernelUnavailableError",
+    "REGISTRY",
 ]
 __version__ = "0.1.0"

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from .contract import (
+    BFLOAT16,
     ContractTypeError,
     ContractValueError,
     FloatFormat,
@@ -236,3 +237,16 @@ def bits_to_tensor(bits, fmt: FloatFormat | str) -> torch.Tensor:
     b = b.to(torch.int64)
     signed = torch.where(b >= fmt.sign_bit, b - (1 << fmt.width), b)
     return signed.to(_TORCH[fmt.name][1]).view(_TORCH[fmt.name][0])
+
+
+def split_scales(scale_bits):
+    """bf16 scales [N, G] (numpy or torch) as (ms, shift, emin, spread):
+    s = ms * 2**(emin + shift), emin[n] the least exponent of row n's nonzero scales (0 if none),
+    shift 0 for zero scales, spread[n] the row's largest shift."""
+    xp = array_module(scale_bits)
+    ms, es = decode_array(scale_bits, BFLOAT16)
+    big = 2**62
+    emin = xp.amin(xp.where(ms != 0, es, big), axis=1)
+    emin = xp.where(emin == big, 0, emin)
+    shift = xp.where(ms != 0, es - emin[:, None], 0)
+    return ms, shift, emin, xp.amax(shift, axis=1)

@@ -8,6 +8,7 @@ rebuilt whenever they change, and is never saved.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -21,6 +22,7 @@ from .contract import (
     GROUP_SIZE,
     ContractTypeError,
     ContractValueError,
+    FloatFormat,
     ShapeError,
     check_act_bits,
     check_in_features,
@@ -32,12 +34,11 @@ from .formats import (
     check_finite,
     float_bits,
     pack_weights,
-    round_scaled_array,
-    unpack_weights,
+    split_scales,
 )
-from .kernels import cpu, native, triton_exact
-from .kernels.activations import quantize_rows
-from .reference import reference_linear, split_scales
+from .kernels import REGISTRY, Kernel, Plan, Weights, plan, triton_exact
+from .kernels.registry import ENV, by_name
+from .kernels.wide import WIDE, linear_rows
 
 BACKENDS = ("auto", "cpu", "triton")
 
@@ -86,7 +87,7 @@ class _PackedExactLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, act_bits: int = DEFAULT_ACT_BITS,
                  *, bits: int = 4, out_dtype: torch.dtype | None = None,
-                 backend: str = "auto", device=None):
+                 backend: str = "auto", kernel: str | None = None, device=None):
         super().__init__()
         self.in_features = check_in_features(in_features)
         if isinstance(out_features, bool) or not isinstance(out_features, int) or out_features <= 0:
@@ -100,6 +101,9 @@ class _PackedExactLinear(nn.Module):
         if backend not in BACKENDS:
             raise ContractValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         self.backend = backend
+        if kernel is not None:
+            by_name(REGISTRY, kernel)  # a typed error now, for a name no kernel has
+        self.kernel = kernel  # None: the plan picks (or EXACTNESS_KERNEL names one)
         n, k = out_features, in_features
         self.register_buffer("weight_packed", _default_packed(n, k, bits).to(device))
         self.register_buffer("weight_scale",
@@ -107,11 +111,14 @@ class _PackedExactLinear(nn.Module):
         self.register_buffer("weight_shape", torch.tensor([n, k], dtype=torch.int64, device=device))
         self._derived_key = None
         self._certificate: Certificate | None = None
+        self._weights: Weights | None = None
+        self._plans: dict = {}  # forward's plans by (backend, device, rows, forced kernel)
         self._layouts: dict = {}  # each path's derived weights, built on first use
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"bits={self.bits}, act_bits={self.act_bits}, backend={self.backend}")
+                f"bits={self.bits}, act_bits={self.act_bits}, backend={self.backend}"
+                + (f", kernel={self.kernel}" if self.kernel else ""))
 
     # ----------------------------------------------------------------- loading
 
@@ -161,7 +168,8 @@ class _PackedExactLinear(nn.Module):
     def __getstate__(self) -> dict:
         # derived data is a cache (the CPU kernels' hold ctypes pointers, which cannot be
         # pickled): a copy or a pickle rebuilds it from the buffers on first use
-        return {**self.__dict__, "_derived_key": None, "_certificate": None, "_layouts": {}}
+        return {**self.__dict__, "_derived_key": None, "_certificate": None, "_weights": None,
+                "_layouts": {}, "_plans": {}}
 
     def _key(self):
         return tuple((t.data_ptr(), t._version, t.device) for t in (self.weight_packed,
@@ -178,119 +186,96 @@ class _PackedExactLinear(nn.Module):
         check_finite(float_bits(self.weight_scale), BFLOAT16, "weight_scale")
         self._certificate = certify(self.weight_scale, self.in_features, self.bits,
                                     self.act_bits)
+        self._weights = Weights(self.weight_packed, self.weight_scale, self.out_features,
+                                self.in_features, self.bits, self.act_bits, self._certificate)
         self._layouts = {}
+        self._plans = {}
         self._derived_key = self._key()
 
-    def _unpacked(self) -> torch.Tensor:
-        return torch.from_numpy(unpack_weights(self.weight_packed.cpu().numpy(), self.bits,
-                                               self.in_features))
+    def weights(self) -> Weights:
+        """What a kernel reads besides x: the buffers, the widths, the certificate."""
+        self._derive()
+        return self._weights
 
-    def _cpu_layout(self, layout: type):
-        """The CPU kernel's derived weights (`layout`(q, factor)), built on first use."""
-        if layout not in self._layouts:
-            self._layouts[layout] = layout(self._unpacked(), self._certificate.factor.cpu())
-        return self._layouts[layout]
+    def prepared(self, kernel: str | Kernel):
+        """`kernel`'s derived data for these weights (by name or kernel), built on first use and
+        shared by the kernels of one layout."""
+        kernel = by_name(REGISTRY, kernel) if isinstance(kernel, str) else kernel
+        weights = self.weights()
+        return self._prepared(kernel, weights)
+
+    def _prepared(self, kernel: Kernel, weights: Weights):
+        if kernel.layout not in self._layouts:
+            self._layouts[kernel.layout] = kernel.prepare(weights)
+        return self._layouts[kernel.layout]
 
     def gpu_weights(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """The Triton path's (factor, offset_sums, emin) on `device`, built on first use."""
-        self._derive()
-        key = ("triton", device)
-        if key not in self._layouts:
-            cert = self._certificate
-            factor = cert.factor.to(device)
-            self._layouts[key] = (factor, triton_exact.offset_sums(
-                self.weight_packed.to(device), factor, self.bits), cert.emin.to(device))
-        return self._layouts[key]
+        """The Triton kernels' (factor, offset_sums, emin) on `device`, built on first use."""
+        return triton_exact.gpu_weights(self.weights(), self.prepared(triton_exact.GROUP),
+                                        device)
 
     def derived_nbytes(self) -> int:
-        """Bytes of derived tensors held now: the certificate, each path's derived weights (a
+        """Bytes of derived tensors held now: the certificate, each kernel's derived weights (a
         tensor the GPU's tuple shares with the certificate, on its device, counted once)."""
         self._derive()
         cert = self._certificate
         tensors = {t.data_ptr(): t for t in (cert.emin, cert.spread, cert.factor, cert.fast)}
         layouts = 0
         for layout in self._layouts.values():
-            if isinstance(layout, tuple):
-                tensors.update((t.data_ptr(), t) for t in layout)
-            else:
+            if isinstance(layout, dict):  # the Triton kernels': a tuple per device
+                tensors.update((t.data_ptr(), t) for per_device in layout.values()
+                               for t in per_device)
+            elif layout is not None:
                 layouts += layout.nbytes
         return layouts + sum(t.numel() * t.element_size() for t in tensors.values())
 
     # ----------------------------------------------------------------- forward
 
-    def path_for(self, x: torch.Tensor) -> str:
+    def _family(self, x: torch.Tensor) -> str:
         if self.backend == "triton" or (self.backend == "auto" and x.is_cuda):
             return "triton"
         if x.is_cuda:
             raise ContractValueError("backend='cpu' needs x on the CPU")
         return "cpu"
 
+    def plan(self, x: torch.Tensor) -> Plan:
+        """The kernel a forward of x takes, and why (print it to read the reasons)."""
+        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
+        return plan(REGISTRY, self._family(x), x.device, rows, self.weights(), self.kernel)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not isinstance(x, torch.Tensor):
-            raise ContractTypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-        x_format = float_format(x.dtype)
-        out_dtype = self.out_dtype or x.dtype
-        out_format = float_format(out_dtype)
-        k, n = self.in_features, self.out_features
-        if x.dim() == 0 or x.shape[-1] != k:
-            raise ShapeError(f"x.shape[-1] must be in_features={k}, got shape {tuple(x.shape)}")
-        x2 = x if x.dim() == 2 else x.reshape(-1, k)  # (a reshape costs ~30 us with cold caches)
+        """Plan, run, splice the slow rows."""
+        x2, out_format = self._checked(x)
         if x2.shape[0] == 0:
-            return torch.empty((*x.shape[:-1], n), dtype=out_dtype, device=x.device)
-        self._derive()
-        cert = self._certificate
-        path = self.path_for(x)
-        if path == "cpu" and native.library() is not None:  # AVX-512 VNNI, self-checked
-            y = native.linear(x2, self.act_bits, self._cpu_layout(native.NativeWeights),
-                              cert.emin, out_format)  # checks finiteness on the way
-        elif path == "triton":
-            if triton_exact.capturing(x2):
-                raise ContractValueError(
-                    "the exact layers cannot be captured into a CUDA graph: a forward reads its "
-                    "non-finite flags back to raise the contract's ValueError, which a graph's "
-                    "replay could not do; run them eagerly")
-            y, nonfinite = self._triton_launches(x2, out_dtype)
-            # read back once every launch is queued: the device never waits on the host between
-            if bool(nonfinite.cpu().any()):
-                check_finite(float_bits(x2), x_format, "x")  # raises, with the count and index
-        else:  # the int8-GEMM fallback
-            if not bool(torch.isfinite(x2).all()):
-                check_finite(float_bits(x2), x_format, "x")
-            qa, e_r = quantize_rows(x2, self.act_bits)
-            folded = self._cpu_layout(cpu.FoldedWeights)
-            if cpu.int_mm_exact():
-                t = cpu.accumulate(dataflow.activation_limbs(qa, self.act_bits), folded)
-            else:
-                t = cpu.accumulate_int64(qa, folded)
-            e = e_r[:, None] + cert.emin[None, :]
-            y = bits_to_tensor(round_scaled_array(t, e, out_format), out_format)
-        slow = cert.slow_rows
-        if slow.numel():  # scale spreads no fast path holds: the exact reference, row by row
-            y[:, slow.to(x.device)] = bits_to_tensor(reference_linear(
-                float_bits(x2).cpu().numpy(), x_format, self.weight_packed[slow].cpu().numpy(),
-                float_bits(self.weight_scale[slow]).cpu().numpy(), act_bits=self.act_bits,
-                out_format=out_format, w_bits=self.bits), out_format).to(x.device)
+            return torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype
+                               if self.out_dtype is None else self.out_dtype, device=x.device)
+        weights = self.weights()
+        # a plan depends on nothing else (the C kernel's and _int_mm's checks are the process's)
+        key = (self._family(x2), x2.device, x2.shape[0], self.kernel, os.environ.get(ENV))
+        chosen = self._plans.get(key)
+        if chosen is None:
+            if len(self._plans) > 64:  # many batch sizes: keep the cache small
+                self._plans.clear()
+            chosen = self._plans[key] = plan(REGISTRY, *key[:3], weights, self.kernel)
+        y = chosen.kernel.run(x2, weights, self._prepared(chosen.kernel, weights), out_format)
+        slow = weights.certificate.slow_rows
+        if slow.numel() and chosen.kernel is not WIDE:  # spreads no fast kernel holds
+            y[:, slow.to(x.device)] = linear_rows(x2, weights, slow, out_format,
+                                                  self._prepared(WIDE, weights))
         if x.requires_grad and torch.is_grad_enabled():
             y = _NoBackward.apply(x, y)
-        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], n)
+        return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
-    def _triton_launches(self, x2: torch.Tensor, out_dtype: torch.dtype):
-        """(y, the rows' non-finite flags) by the Triton kernels, nothing read back; in blocks
-        of rows that keep each launch's offsets in int32 (triton_exact.rows_per_launch)."""
-        k, n = self.in_features, self.out_features
-        weights = (self.weight_packed, *self.gpu_weights(x2.device), self.bits)
-        digits = dataflow.folded_weight_limbs(self.bits, self._certificate.fast_spread)
-        ys, flags = [], []
-        for rows in x2.split(triton_exact.rows_per_launch(k, n, self.act_bits)):
-            limbs, e_r, nonfinite = triton_exact.quantize(rows, self.act_bits)
-            if (rows.shape[0] >= triton_exact.FOLDED_MIN_ROWS
-                    and triton_exact.folded_fits(rows.shape[0], n, k)
-                    and cpu.int_mm_exact(str(rows.device))):
-                ys.append(triton_exact.linear_folded(limbs, e_r, *weights, digits, out_dtype))
-            else:
-                ys.append(triton_exact.linear(limbs, e_r, *weights, out_dtype))
-            flags.append(nonfinite)
-        return (ys[0], flags[0]) if len(ys) == 1 else (torch.cat(ys), torch.cat(flags))
+    def _checked(self, x: torch.Tensor) -> tuple[torch.Tensor, FloatFormat]:
+        """x as [M, K] and the output's format, or a typed error."""
+        if not isinstance(x, torch.Tensor):
+            raise ContractTypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        float_format(x.dtype)
+        out_format = float_format(self.out_dtype or x.dtype)
+        k = self.in_features
+        if x.dim() == 0 or x.shape[-1] != k:
+            raise ShapeError(f"x.shape[-1] must be in_features={k}, got shape {tuple(x.shape)}")
+        return (x if x.dim() == 2 else x.reshape(-1, k)), out_format  # (a reshape: ~30 us cold)
 
 
 class _NoBackward(torch.autograd.Function):
@@ -312,9 +297,10 @@ class PackedInt4Linear(_PackedExactLinear):
     """Kimi K2's routed-expert projection: int4 pack-quantized weights, group 32, bf16 scales."""
 
     def __init__(self, in_features: int, out_features: int, act_bits: int = DEFAULT_ACT_BITS, *,
-                 out_dtype: torch.dtype | None = None, backend: str = "auto", device=None):
+                 out_dtype: torch.dtype | None = None, backend: str = "auto",
+                 kernel: str | None = None, device=None):
         super().__init__(in_features, out_features, act_bits, bits=4, out_dtype=out_dtype,
-                         backend=backend, device=device)
+                         backend=backend, kernel=kernel, device=device)
 
 
 class ExactLinear(_PackedExactLinear):
@@ -323,7 +309,7 @@ class ExactLinear(_PackedExactLinear):
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bits: int = 4, group_size: int = GROUP_SIZE,
                     act_bits: int = DEFAULT_ACT_BITS, *, out_dtype: torch.dtype | None = None,
-                    backend: str = "auto") -> ExactLinear:
+                    backend: str = "auto", kernel: str | None = None) -> ExactLinear:
         """Quantize `weight` [N, K] group-wise (docs/SPEC.md section 6) onto the exact path."""
         from .quantize import quantize_weight
 
@@ -335,7 +321,7 @@ class ExactLinear(_PackedExactLinear):
         check_in_features(k, "weight.shape[1] (in_features)")
         q, scale_bits = quantize_weight(float_bits(weight.detach().cpu()).numpy(),
                                         float_format(weight.dtype), bits)
-        layer = cls(k, n, act_bits, bits=bits, out_dtype=out_dtype, backend=backend,
+        layer = cls(k, n, act_bits, bits=bits, out_dtype=out_dtype, backend=backend, kernel=kernel,
                     device=weight.device)
         layer.load_state_dict({
             "weight_packed": torch.from_numpy(pack_weights(q, bits)),

@@ -1,4 +1,6 @@
-"""`ExactLinear.from_weight`'s quantizer (docs/SPEC.md section 6), vectorized in numpy int64.
+"""Quantization onto the contract's integers: activations per row (`quantize_activations`,
+contract section 3, numpy or torch) and `ExactLinear.from_weight`'s weights per group
+(`quantize_weight`, docs/SPEC.md section 6, numpy int64).
 
 Per group of 32: scale = the smallest bf16 >= amax / Qw, q = RNE(w / scale), both exactly; so
 |q| <= Qw and nothing is ever clamped. The reference's `oracle_quantize_weight` is the same rule in
@@ -9,8 +11,15 @@ from __future__ import annotations
 
 import numpy as np
 
-from .contract import BFLOAT16, GROUP_SIZE, FloatFormat, check_weight_bits
-from .formats import bit_length_array, check_finite, decode_array
+from .contract import BFLOAT16, GROUP_SIZE, FloatFormat, act_qmax, check_weight_bits, float_format
+from .formats import (
+    array_module,
+    as_int64,
+    bit_length_array,
+    check_finite,
+    decode_array,
+    rne_shift_right,
+)
 
 
 def _ceil_div(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -55,3 +64,27 @@ def quantize_weight(w_bits: np.ndarray, fmt: FloatFormat, bits: int):
     frac = np.where(ms >= 128, ms - 128, ms)
     scale = np.where(zero, 0, (field << BFLOAT16.mant_bits) | frac)
     return q.astype(np.int64), scale.astype(np.int64)
+
+
+def quantize_activations(x_bits, x_format, act_bits: int):
+    """Contract section 3, vectorized (numpy or torch): (qa int64 [M, K], e_r int64 [M]).
+
+    Zero rows get e_r = 0. Finiteness is the caller's to check.
+    """
+    xp = array_module(x_bits)
+    fmt = float_format(x_format)
+    qmax = act_qmax(act_bits)
+    m, e = decode_array(x_bits, fmt)
+    # |x| orders like the magnitude bits of its pattern, so amax is found without decoding all.
+    am, ae = decode_array(xp.amax(as_int64(x_bits) & fmt.abs_mask, axis=1), fmt)
+    # smallest t with am <= Qa * 2**t is t0 or t0 + 1 (t0 from the bit lengths); e_r = ae + t
+    t0 = bit_length_array(am) - qmax.bit_length()
+    qmax_t0 = (t0 * 0 + qmax) << t0.clip(min=0)
+    fits = xp.where(t0 >= 0, am <= qmax_t0, am << (-t0).clip(min=0) <= qmax)
+    e_r = xp.where(am == 0, 0, ae + t0 + xp.where(fits, 0, 1))
+    # qa = RNE(m * 2**(e - e_r)): an exact left shift, or a rounded right shift; |m| < 2**25, so
+    # right shifts past 26 give 0 (under half) and clipping them to 62 changes nothing.
+    s = e - e_r[:, None]
+    a = xp.abs(m)
+    n = xp.where(s >= 0, a << s.clip(0, 62), rne_shift_right(a, (-s).clip(0, 62)))
+    return xp.where(m < 0, -n, n), e_r

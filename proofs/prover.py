@@ -26,9 +26,9 @@ import numpy as np
 import z3
 
 from exactness import dataflow
-from exactness.cases import LinearCase
 from exactness.contract import BFLOAT16, FLOAT32, GROUP_SIZE, act_qmax
 from exactness.formats import pack_weights, round_scaled
+from exactness.suite.cases import LinearCase
 
 from . import obligations as ob
 
@@ -173,9 +173,9 @@ def extreme_case(w_bits: int, a_bits: int, k: int, spread: int, groups: int) -> 
 def realize(v: Verdict, dot_bits: int, combine_bits: int) -> str | None:
     """A counterexample file for a refuted accumulator obligation: the smallest number of
     nonzero groups of the extreme input whose simulation at these widths gives wrong bits."""
-    from exactness.counterexamples import write
-    from exactness.reference import reference_linear
-    from exactness.simulate import simulate
+    from exactness.suite.counterexamples import write
+    from exactness.suite.reference import reference_linear
+    from exactness.suite.simulate import simulate
 
     if v.k is None or v.w_bits is None or v.a_bits is None:
         return None

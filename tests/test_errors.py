@@ -1,8 +1,6 @@
 """Bad input: a clear, typed error that names the argument and the first bad index."""
 
-import contextlib
 import itertools
-from unittest import mock
 
 import numpy as np
 import pytest
@@ -19,9 +17,10 @@ from exactness.contract import (
     weight_range,
 )
 from exactness.formats import decode, pack_weights, unpack_weights
-from exactness.kernels import native
-from exactness.paths import available_paths
-from exactness.reference import reference_linear
+from exactness.kernels import REGISTRY
+from exactness.suite.cases import load_vectors
+from exactness.suite.paths import BACKENDS, available_paths, device_of, layer_for
+from exactness.suite.reference import reference_linear
 
 X = np.full((2, 64), 0x3F80)  # bf16 1.0
 PACKED = pack_weights(np.ones((3, 64), np.int64), 4)
@@ -106,25 +105,27 @@ def test_decode_refuses_non_finite():
 # --------------------------------------------------------------------------- the layer
 
 
-def test_layer_non_finite_x_counts():
+@pytest.mark.parametrize("path", [*BACKENDS, *(k.name for k in REGISTRY
+                                               if k.name != "triton-folded")])
+def test_layer_non_finite_x_counts(path):
     """Every path refuses x with non-finite values of each kind, in each dtype (the C kernel and
     the Triton quantization flag their rows themselves), with the count and the first index.
-    One test, not parametrized: the mutation catalogue calls its killers as test()."""
-    paths = [p for p in available_paths() if p in ("cpu", "triton")] + ["int8-gemm"]
-    for path, bad, dtype in itertools.product(paths, [float("inf"), float("-inf"), float("nan")],
-                                              [torch.bfloat16, torch.float16, torch.float32]):
-        layer = PackedInt4Linear(64, 4, backend="triton" if path == "triton" else "cpu")
-        x = torch.randn(3, 64).to(dtype)
+    (triton-folded shares the Triton quantization and its flags.)"""
+    if path not in available_paths():
+        pytest.skip(f"{path} does not run here")
+    act16 = next(case for case in load_vectors() if case.act_bits == 16)  # every kernel holds it
+    for bad, dtype in itertools.product([float("inf"), float("-inf"), float("nan")],
+                                        [torch.bfloat16, torch.float16, torch.float32]):
+        case_layer = layer_for(act16, path, device_of(path))
+        x = torch.randn(3, case_layer.in_features).to(dtype)
         x[2, 7] = x[0, 1] = bad
-        fallback = mock.patch.object(native, "library", lambda: None)
-        with fallback if path.startswith("int8") else contextlib.nullcontext():
-            try:
-                layer(x)
-            except ValueError as error:
-                assert "x has 2 non-finite value(s); the first at index (0, 1)" in str(error), (
-                    path, bad, dtype, str(error))
-            else:
-                raise AssertionError(f"{path}, {dtype}: x holding {bad} went through")
+        try:
+            case_layer(x)
+        except ValueError as error:
+            assert "x has 2 non-finite value(s); the first at index (0, 1)" in str(error), (
+                path, bad, dtype, str(error))
+        else:
+            raise AssertionError(f"{path}, {dtype}: x holding {bad} went through")
 
 
 def test_layer_wrong_last_dim_and_dtypes():

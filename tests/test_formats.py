@@ -3,6 +3,7 @@
 import math
 
 import numpy as np
+import pytest
 import torch
 from compressed_tensors.compressors.pack_quantized.helpers import (
     pack_to_int32,
@@ -22,7 +23,9 @@ from exactness.formats import (
     tensor_to_bits,
     unpack_weights,
 )
-from exactness.strategies import int_weights, scaled_integers, seeds
+from exactness.suite.strategies import int_weights, scaled_integers, seeds
+
+pytestmark = pytest.mark.stage("reference")  # make verify's stage
 
 # --------------------------------------------------------------------------- packing
 

@@ -4,7 +4,7 @@ import subprocess
 
 import pytest
 
-from exactness import gate
+from exactness.suite import gate
 
 
 def git(root, *args):

@@ -19,7 +19,7 @@ from exactness.kimi import (
     KimiModel,
     convert_kimi_to_exact,
 )
-from exactness.reference import reference_linear
+from exactness.suite.reference import reference_linear
 from tests.kimi_checkpoints import write_checkpoint
 
 SMALL = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=128, n_routed_experts=4,

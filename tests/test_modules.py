@@ -1,8 +1,8 @@
 """The production layer against the reference, bit for bit, on every path available here."""
 
-import contextlib
 import copy
 import io
+import warnings
 from unittest import mock
 
 import numpy as np
@@ -12,15 +12,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exactness import ExactLinear, PackedInt4Linear
-from exactness.cases import LinearCase, load_vectors
 from exactness.contract import BFLOAT16, FLOAT32, FORMATS, ContractValueError
-from exactness.counterexamples import check_bits
 from exactness.dataflow import act_limbs, activation_limbs
 from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits, torch_dtype
-from exactness.kernels import native, triton_exact
-from exactness.paths import available_paths, layer_for, run
-from exactness.reference import quantize_activations
-from exactness.strategies import (
+from exactness.kernels import REGISTRY, KernelUnavailableError, native, triton_exact
+from exactness.kernels.registry import no
+from exactness.suite.cases import LinearCase, load_vectors
+from exactness.suite.counterexamples import check_bits
+from exactness.suite.paths import BACKENDS, available_paths, device_of, layer_for, run
+from exactness.suite.reference import quantize_activations
+from exactness.suite.strategies import (
     KIMI_SHAPES,
     activation_bits,
     final_rounding_at_the_top,
@@ -30,64 +31,65 @@ from exactness.strategies import (
     seeds,
 )
 
-LAYER_PATHS = [p for p in available_paths() if p in ("cpu", "triton")]
+pytestmark = pytest.mark.stage("equivalence")  # make verify's stage
+
+LAYER_PATHS = [p for p in available_paths() if p in BACKENDS]  # the layer as its plan picks
+KERNELS = [kernel.name for kernel in REGISTRY]
 needs_triton = pytest.mark.skipif("triton" not in LAYER_PATHS,
                                   reason="Triton needs a GPU or TRITON_INTERPRET=1")
+needs_native = pytest.mark.skipif(native.library() is None, reason="no C kernel here")
 
 
 def check_path(case, path):
     check_bits(case, path, run(case, path), run(case, "reference"))
 
 
-@pytest.mark.parametrize("path", LAYER_PATHS)
+def skip_unless_here(path: str) -> None:
+    """Each path is a test id on every machine (a mutant's killer names it); one that cannot run
+    here skips, saying why."""
+    if path not in available_paths():
+        kernel = next((k for k in REGISTRY if k.name == path), None)
+        device = device_of(path)
+        why = (kernel.available(torch.device(device)).why if kernel and device
+               else "Triton needs a GPU or TRITON_INTERPRET=1")
+        pytest.skip(f"{path} does not run here: {why}")
+
+
+@pytest.mark.parametrize("path", KERNELS)
 def test_vectors_through_the_layer(path):
-    for case in load_vectors():
-        check_bits(case, path, run(case, path), case.expected, source="vectors")
+    """The contract's independent vectors through each kernel forced (triton-folded on each
+    vector grown to a shape its GEMM takes). The backends' own plans: make verify's vectors
+    stage, and every test below that loops over LAYER_PATHS."""
+    skip_unless_here(path)
+    held = 0
+    for vector in load_vectors():
+        case, rows, cols = folded_case(vector) if path == "triton-folded" else (
+            vector, slice(None), slice(None))
+        if path not in available_paths(case):  # vnni-spans: 16-bit activations only
+            continue
+        check_bits(case, path, run(case, path), vector.expected[rows][:, cols],
+                   source="vectors")
+        held += 1
+    assert held >= 9, f"{path} held only {held} of the vectors"
 
 
-def test_vectors_through_the_cpu_path():
-    test_vectors_through_the_layer("cpu")
+# what each kernel is checked on: wide is Python integers, the Triton kernels are interpreted
+EQUIVALENCE_CASES = {
+    "vnni-spans": linear_cases(max_k=256, max_n=40, max_rows=20, w_bits=4, act_bits_=16),
+    "triton-group": linear_cases(max_k=128, max_n=40, max_rows=20),
+    "wide": linear_cases(max_k=128, max_n=16, max_rows=6),
+}
 
 
-@needs_triton
-def test_vectors_through_the_triton_path():
-    test_vectors_through_the_layer("triton")
-
-
-@given(linear_cases(max_k=256, max_n=40, max_rows=20))
-def test_cpu_path_matches_reference(case):
-    check_path(case, "cpu")
-
-
-@given(linear_cases(max_k=256, max_n=40, max_rows=20))
-def test_int8_gemm_fallback_matches_reference(case):
-    """The CPU path where the VNNI kernel is missing: int8 GEMMs on folded limbs."""
-    with mock.patch.object(native, "library", lambda: None):
-        check_path(case, "cpu")
-
-
-def test_vectors_through_the_int8_gemm_fallback():
-    with mock.patch.object(native, "library", lambda: None):
-        test_vectors_through_the_layer("cpu")
-
-
-# exact_linear_spans (16-bit activations, 4-bit weights) at every batch size, not only from
-# native.SPAN_MIN_ROWS rows on
-every_batch_takes_spans = mock.patch.object(native, "SPAN_MIN_ROWS", 1)
-needs_native = pytest.mark.skipif(native.library() is None, reason="no C kernel here")
-
-
-@needs_native
-@given(linear_cases(max_k=256, max_n=40, max_rows=20, w_bits=4, act_bits_=16))
-def test_span_kernel_matches_reference(case):
-    with every_batch_takes_spans:
-        check_path(case, "cpu")
-
-
-@needs_native
-def test_vectors_through_the_span_kernel():
-    with every_batch_takes_spans:
-        test_vectors_through_the_layer("cpu")
+@pytest.mark.parametrize("path", [k for k in KERNELS if k != "triton-folded"])
+@given(data=st.data())
+def test_path_matches_reference(path, data):
+    """Each kernel forced, at every batch size, against the reference. (triton-folded:
+    test_triton_folded_path_matches_reference.)"""
+    skip_unless_here(path)
+    case = data.draw(EQUIVALENCE_CASES.get(path, linear_cases(max_k=256, max_n=40, max_rows=20)),
+                     label="case")
+    check_path(case, path)
 
 
 @needs_native
@@ -107,11 +109,10 @@ def test_span_kernel_at_the_int32_edge():
             (one_wide_group(n, k, 0x437F, 0x447F), [0, 1], True),  # 255, 1020
             (one_wide_group(n, k, 0x3F80, 0x4580), [0, 1], False)):  # 1.0, 2**12
         case = LinearCase(x, FLOAT32, q, pack_weights(q, 4), scales, 16, FLOAT32, 4)
-        with every_batch_takes_spans:
-            check_path(case, "cpu")
-        layer = layer_for(case, "cpu")
+        check_path(case, "vnni-spans")
+        layer = layer_for(case, "vnni-spans")
         layer(bits_to_tensor(x, FLOAT32))
-        _, _, ends, kinds = layer._cpu_layout(native.NativeWeights).spans
+        _, _, ends, kinds = layer.prepared("vnni-spans").spans
         assert kinds.tolist() == unshifted
         assert bool(ends[0].all()) == one_group_spans
 
@@ -131,7 +132,8 @@ def test_rows_agree_across_the_kernel_switch(case):
     x = bits_to_tensor(case.x_bits, case.x_format)
     alone = tensor_to_bits(layer(x))  # fewer rows than SPAN_MIN_ROWS: the limb kernel
     batch = x.repeat(-(-native.SPAN_MIN_ROWS // x.shape[0]), 1)
-    assert native.uses_spans(16, layer._cpu_layout(native.NativeWeights), batch.shape[0])
+    assert (layer.plan(x).kernel.name, layer.plan(batch).kernel.name) == ("vnni-limbs",
+                                                                        "vnni-spans")
     assert (tensor_to_bits(layer(batch))[:x.shape[0]] == alone).all()
 
 
@@ -145,14 +147,53 @@ def test_no_compiler_or_cache_means_no_c_kernel_not_a_crash(tmp_path, monkeypatc
     in_the_way.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(in_the_way))  # the cache cannot be created
     assert native.load(native.SOURCE.read_text()) is None
+    assert "no writable cache" in native.build(native.SOURCE.read_text())[1].why
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     assert native.load("this is not C") is None
+    assert "failed on cpu_vnni.c" in native.build("this is not C")[1].why
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    assert "no C compiler" in native.build("int x;")[1].why
 
 
-@needs_triton
-@given(linear_cases(max_k=128, max_n=40, max_rows=20))
-def test_triton_path_matches_reference(case):
-    check_path(case, "triton")
+@needs_native
+def test_the_self_check_names_what_failed():
+    """The verdict names the check and its input, not only that it failed."""
+    from exactness.suite.mutants import CATALOGUE, mutated_c_kernel
+
+    verdict = native._self_check(mutated_c_kernel(next(
+        m for m in CATALOGUE if m.name == "vnni-rounding-ties-up")))
+    assert not verdict and "self-check failed on" in verdict.why and "float" in verdict.why
+
+
+def test_a_fallback_from_the_c_kernel_warns_once_saying_why(monkeypatch):
+    layer = ExactLinear.from_weight(torch.randn(8, 64))
+    x = torch.randn(2, 64)
+    monkeypatch.setattr(native, "status", lambda: (None, no("the CPU lacks avx512_vnni")))
+    native.warn_fallback.cache_clear()
+    with pytest.warns(native.FallbackWarning, match="not used: the CPU lacks avx512_vnni"):
+        plan = layer.plan(x)
+    assert plan.kernel.name in ("int8-gemm", "int64-matmul")
+    assert ("vnni-limbs", "the CPU lacks avx512_vnni") in plan.passed_over
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        layer(x)  # once: no second warning
+    native.warn_fallback.cache_clear()
+
+
+def test_the_plan_names_its_kernel_and_a_forced_one_is_never_swapped(monkeypatch):
+    layer = ExactLinear.from_weight(torch.randn(8, 64), bits=8)
+    x = torch.randn(30, 64)
+    chosen = layer.plan(x)
+    assert str(chosen).startswith(f"{chosen.kernel.name}: {chosen.why}") and chosen.why
+    with pytest.raises(KernelUnavailableError, match="16-bit activations and 4-bit weights"):
+        ExactLinear.from_weight(torch.randn(8, 64), bits=8, kernel="vnni-spans")(x)
+    with pytest.raises(ContractValueError, match="no kernel named 'nope'"):
+        ExactLinear.from_weight(torch.randn(8, 64), kernel="nope")
+    monkeypatch.setenv("EXACTNESS_KERNEL", "wide")
+    assert layer.plan(x).kernel.name == "wide" and "EXACTNESS_KERNEL" in layer.plan(x).why
+    wide = layer(x)
+    monkeypatch.delenv("EXACTNESS_KERNEL")
+    assert torch.equal(wide, layer(x))
 
 
 def folded_case(case: LinearCase) -> tuple[LinearCase, np.ndarray, np.ndarray]:
@@ -167,30 +208,14 @@ def folded_case(case: LinearCase) -> tuple[LinearCase, np.ndarray, np.ndarray]:
                       name=case.name), rows, cols
 
 
-@contextlib.contextmanager
-def taking_folded():
-    with mock.patch.object(triton_exact, "linear_folded",
-                           wraps=triton_exact.linear_folded) as folded:
-        yield
-    assert folded.called, "the forward did not take linear_folded"
-
-
 @needs_triton
 @settings(max_examples=max(10, settings.default.max_examples // 2))  # each example is 64 rows
 @given(linear_cases(max_k=128, max_n=40, max_rows=20))
 def test_triton_folded_path_matches_reference(case):
     case, _, _ = folded_case(case)
-    with taking_folded():
-        check_path(case, "triton")
-
-
-@needs_triton
-def test_vectors_through_the_triton_folded_path():
-    for vector in load_vectors():
-        case, rows, cols = folded_case(vector)
-        with taking_folded():
-            check_bits(case, "triton", run(case, "triton"), vector.expected[rows][:, cols],
-                       source="vectors")
+    check_path(case, "triton-folded")
+    assert layer_for(case, "triton").plan(bits_to_tensor(case.x_bits, case.x_format)).kernel \
+        is triton_exact.FOLDED, "the Triton plan does not take linear_folded at this shape"
 
 
 @needs_triton
@@ -296,11 +321,12 @@ def test_the_gpu_checks_two_paths_agree():
     assert same and folded.endswith("digits)")
 
 
+@pytest.mark.parametrize("path", ["vnni-limbs", "int8-gemm", "triton-group"])
 @given(final_rounding_near_ties())
-def test_final_rounding_near_ties(case):
+def test_final_rounding_near_ties(path, case):
     """One rounding from the exact integer: rounding through fp32 first would round twice."""
-    for path in LAYER_PATHS:
-        check_path(case, path)
+    skip_unless_here(path)
+    check_path(case, path)
 
 
 @given(final_rounding_at_the_top())
@@ -311,18 +337,12 @@ def test_final_rounding_at_the_top_of_the_range(case):
         check_path(case, path)
 
 
-@given(final_rounding_near_ties())
-def test_final_rounding_near_ties_through_the_int8_gemm_fallback(case):
-    with mock.patch.object(native, "library", lambda: None):
-        check_path(case, "cpu")
-
-
 @given(linear_cases(max_k=96, max_n=8, max_rows=3), st.data())
 def test_wide_spread_rows_stay_exact(case, data):
     """Scale exponents across the whole bf16 range: certified slow rows take the exact path."""
     case.scale_bits = data.draw(scale_bits(case.shape[2], case.shape[1] // 32, kind="spread"))
     case.scale_bits[0, 0], case.scale_bits[0, -1] = 0x0001, 0x7E00
-    for path in LAYER_PATHS:
+    for path in [*LAYER_PATHS, "wide"]:
         check_path(case, path)
 
 
@@ -338,10 +358,10 @@ def kimi_cases(draw, act_bits: int, path: str, rows: int | None = None):
                       BFLOAT16)
 
 
-@pytest.mark.parametrize(("path", "act_bits"), [(path, act_bits) for path in LAYER_PATHS
-                                                 for act_bits in (4, 8, 16)
-                                                 if (path, act_bits) != ("triton", 16)])
+@pytest.mark.parametrize(("path", "act_bits"), [(path, act_bits) for path in BACKENDS
+                                                 for act_bits in (4, 8, 16)])
 def test_full_kimi_sizes(path, act_bits):
+    skip_unless_here(path)
     @settings(max_examples=1, derandomize=True, database=None)
     @given(kimi_cases(act_bits, path))
     def full_size(case):
@@ -356,17 +376,9 @@ def test_full_kimi_size_triton_folded():
     @settings(max_examples=1, derandomize=True, database=None)
     @given(kimi_cases(16, "triton", rows=triton_exact.FOLDED_MIN_ROWS))
     def full_size(case):
-        with taking_folded():
-            check_path(case, "triton")
+        check_path(case, "triton-folded")
 
     full_size()
-
-
-@needs_triton
-def test_full_kimi_size_triton_act16():
-    """test_full_kimi_sizes' Triton case with 16-bit activations, under a name the mutation
-    catalogue can call (its parametrization leaves the case to this test)."""
-    test_full_kimi_sizes("triton", 16)
 
 
 def test_dense_mlp_input_size_18432():
@@ -417,7 +429,7 @@ def test_determinism_across_runs():
 @given(st.sampled_from((4, 8)), st.sampled_from(list(FORMATS.values())), seeds,
        st.sampled_from((1e-30, 1e-3, 1.0, 1e4)))
 def test_from_weight_matches_the_oracle_quantizer(bits, fmt, seed, magnitude):
-    from exactness.reference import oracle_quantize_weight
+    from exactness.suite.reference import oracle_quantize_weight
 
     rng = np.random.default_rng(seed)
     w = torch.from_numpy(rng.standard_normal((3, 64)) * magnitude).to(
@@ -542,7 +554,7 @@ def test_layer_keeps_no_float_copy_of_the_weight():
 
 def test_the_vnni_self_check_refuses_a_broken_layout():
     """Had the kernel's layout been wrong at start-up, the layer would not have trusted it."""
-    from exactness.mutants import CATALOGUE, applied
+    from exactness.suite.mutants import CATALOGUE, applied
 
     lib = native.library()
     if lib is None:

@@ -2,27 +2,22 @@
 bugs of the agreement tests are caught by each of them. (`make mutants` gives the full table.)"""
 
 import os
-from unittest import mock
 
 import pytest
 
 from exactness.kernels import native
-from exactness.mutants import (
+from exactness.suite.mutants import (
     C_KERNEL,
     CATALOGUE,
     Mutant,
-    _killer,
     applied,
-    fails,
+    judge,
     mutated_c_kernel,
+    run_tests,
     runs_here,
 )
 
-
-def survivors(mutant: Mutant, killers) -> list[str]:
-    tests = {node: _killer(node) for node in killers}  # imported before the mutant goes in
-    with applied(mutant):
-        return [node for node, test in tests.items() if not fails(test)]
+pytestmark = pytest.mark.stage("mutants")  # make verify's stage
 
 
 @pytest.mark.parametrize("mutant", CATALOGUE, ids=lambda m: m.name)
@@ -31,9 +26,9 @@ def test_mutant_is_killed(mutant: Mutant):
         pytest.skip("no C kernel here (AVX-512 VNNI and a C compiler)")
     # make verify asks only for the first killer (EXACTNESS_FIRST_KILLER=1); make test for all
     every = mutant.every_killer and os.environ.get("EXACTNESS_FIRST_KILLER") != "1"
-    killers = mutant.killers if every else mutant.killers[:1]
-    alive = survivors(mutant, killers)
-    assert not alive, f"{mutant.name} ({mutant.bug}) survived {alive}"
+    verdict = judge(mutant, mutant.killers if every else mutant.killers[:1], every)
+    assert verdict.error is None, f"{mutant.name}: the harness failed: {verdict.error}"
+    assert verdict.killed_by, f"{mutant.name} ({mutant.bug}) survived {verdict.survivors}"
 
 
 @pytest.mark.parametrize("mutant", [m for m in CATALOGUE if m.target == C_KERNEL],
@@ -45,26 +40,30 @@ def test_the_start_up_self_check_refuses_the_c_mutant(mutant: Mutant):
     assert not native._self_check(mutated_c_kernel(mutant))
 
 
-def test_every_killer_runs_without_arguments():
-    """A killer that needed arguments would raise a TypeError under any mutant: a kill that
-    proves nothing. _killer refuses one."""
-    for node in {node for m in CATALOGUE for node in m.killers}:
-        _killer(node)
-
-    def parametrized(path, dtype):
-        pass
-
-    with mock.patch("tests.test_errors.test_good_input_passes", parametrized):
-        with pytest.raises(ValueError, match=r"needs arguments \['path', 'dtype'\]"):
-            _killer("tests/test_errors.py::test_good_input_passes")
+def test_every_killer_is_a_test_pytest_collects():
+    """A killer is a pytest node id; one that names no test (a renamed test, a parameter that
+    is gone) would be a harness error under every mutant, never a kill."""
+    killers = sorted({node for m in CATALOGUE for node in m.killers})
+    code, outcomes = run_tests(killers, collect_only=True)
+    missing = [k for k in killers if not any(c == k or c.endswith("/" + k)
+                                             for c in outcomes.collected)]
+    assert code == 0 and not missing, (code, missing)
 
 
-def test_a_failing_pytest_raises_counts_as_a_kill():
-    def lets_it_through():
-        with pytest.raises(ValueError):
-            pass
+def test_a_harness_error_is_not_a_kill():
+    """A killer that is not collected, or that skips, leaves the mutant unjudged: an error."""
+    mutant = CATALOGUE[0]
+    verdict = judge(mutant, ["tests/test_formats.py::test_no_such_test"])
+    assert verdict.killed_by is None and verdict.error
+    skipping = "tests/test_modules.py::test_path_matches_reference[no-such-kernel]"
+    verdict = judge(mutant, [skipping])
+    assert verdict.killed_by is None and verdict.error
 
-    assert fails(lets_it_through) and not fails(lambda: None)
+
+def test_a_killer_fails_only_under_its_mutant():
+    """The same killer passes unmutated: the kill is the mutant's."""
+    code, outcomes = run_tests([CATALOGUE[0].killers[0]])
+    assert code == 0 and set(outcomes.calls.values()) == {"passed"}
 
 
 def test_catalogue_covers_the_bug_classes():
@@ -74,10 +73,10 @@ def test_catalogue_covers_the_bug_classes():
 
 def test_applied_restores_the_original():
     import exactness.formats as formats
-    import exactness.modules as modules
+    from exactness.kernels import cpu
 
-    before = formats.unpack_weights, modules._PackedExactLinear.forward
-    for mutant in (CATALOGUE[0], next(m for m in CATALOGUE if "forward" in m.target)):
+    before = formats.unpack_weights, cpu._GemmKernel.run
+    for mutant in (CATALOGUE[0], next(m for m in CATALOGUE if "_GemmKernel.run" in m.target)):
         with applied(mutant):
-            assert (formats.unpack_weights, modules._PackedExactLinear.forward) != before
-    assert (formats.unpack_weights, modules._PackedExactLinear.forward) == before
+            assert (formats.unpack_weights, cpu._GemmKernel.run) != before
+    assert (formats.unpack_weights, cpu._GemmKernel.run) == before

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 from exactness.contract import BFLOAT16, FLOAT32
 from exactness.formats import decode, float_bits, tensor_to_bits
-from exactness.precision import correctly_rounded, errors, exact_truth, outputs, qat_layer
-from exactness.strategies import seeds
+from exactness.suite.precision import correctly_rounded, errors, exact_truth, outputs, qat_layer
+from exactness.suite.strategies import seeds
 
 
 def test_the_truth_is_the_exact_rational_product():

@@ -10,14 +10,16 @@ from hypothesis import strategies as st
 
 from exactness import dataflow
 from exactness.contract import group_dot_bound
-from exactness.counterexamples import read
-from exactness.mutants import CATALOGUE, Mutant, applied, mutated_function
-from exactness.paths import run
-from exactness.reference import combine_groups, group_dots, quantize_activations, split_scales
-from exactness.strategies import activation_bits, formats, int_weights, scale_bits
+from exactness.suite.counterexamples import read
+from exactness.suite.mutants import CATALOGUE, Mutant, applied, mutated_function
+from exactness.suite.paths import run
+from exactness.suite.reference import combine_groups, group_dots, quantize_activations, split_scales
+from exactness.suite.strategies import activation_bits, formats, int_weights, scale_bits
 from proofs import obligations as ob
 from proofs import prover
 from proofs.prover import extreme_case, main, prove
+
+pytestmark = pytest.mark.stage("reference")  # make verify's stage
 
 
 def verdicts(capsys, *argv):
@@ -153,7 +155,7 @@ def test_the_extreme_input_attains_the_group_bound(w_bits, a_bits):
 @given(st.data())
 def test_simulated_dataflow_at_the_real_widths_equals_the_reference(data):
     """The description the proofs read, executed: it is the arithmetic the reference computes."""
-    from exactness.strategies import linear_cases
+    from exactness.suite.strategies import linear_cases
 
     case = data.draw(linear_cases(max_k=96, max_n=3, max_rows=2))
     _, _, _, spread = split_scales(case.scale_bits)

@@ -1,20 +1,23 @@
 """The Python-int oracle and the numpy reference agree bit for bit on generated cases."""
 
 import numpy as np
+import pytest
 from hypothesis import given, note
 from hypothesis import strategies as st
 
 from exactness import dataflow
 from exactness.contract import BFLOAT16, FLOAT32, act_qmax
-from exactness.counterexamples import check_bits
-from exactness.reference import (
+from exactness.suite.counterexamples import check_bits
+from exactness.suite.reference import (
     oracle_linear,
     oracle_quantize_row,
     quantize_activations,
     reference_linear,
     split_scales,
 )
-from exactness.strategies import activation_bits, formats, linear_cases, scale_bits
+from exactness.suite.strategies import activation_bits, formats, linear_cases, scale_bits
+
+pytestmark = pytest.mark.stage("reference")  # make verify's stage
 
 
 def run_both(case):

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.stage("compiled")  # make verify's stage
+
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,9 +3,11 @@
 import numpy as np
 import pytest
 
-from exactness.cases import load_vectors
-from exactness.counterexamples import check_bits
-from exactness.reference import oracle_linear, reference_linear
+from exactness.suite.cases import load_vectors
+from exactness.suite.counterexamples import check_bits
+from exactness.suite.reference import oracle_linear, reference_linear
+
+pytestmark = pytest.mark.stage("reference")  # make verify's stage
 
 VECTORS = load_vectors()
 

@@ -4,7 +4,7 @@ import subprocess
 
 import pytest
 
-from exactness import verify
+from exactness.suite import verify
 
 
 def session_outcome(monkeypatch, tmp_path, returncode: int, cases: list[tuple[str, bool]]):
@@ -12,12 +12,17 @@ def session_outcome(monkeypatch, tmp_path, returncode: int, cases: list[tuple[st
     JUnit XML of `cases` (classname, failed); each stage's result."""
     monkeypatch.setattr(verify, "REPORTS", tmp_path)
     session = verify.PytestSession("s")
-    session.stage("first", "", "tests/test_a.py")
-    session.stage("second", "", "tests/test_b.py", "tests/test_c.py")
+    session.stage("first", "")
+    session.stage("second", "")
+    stage_of = {"tests.test_a": "first", "tests.test_b": "second",
+                "tests.test_c.TestClass": "second"}  # what each module's pytestmark says
 
     def fake_pytest(cmd, **kwargs):
+        assert "--stage=first" in cmd and "--stage=second" in cmd
         body = "".join(f'<testcase classname="{name}" name="t{i}" time="1.5">'
-                       f'{"<failure/>" if failed else ""}</testcase>'
+                       + (f'<properties><property name="stage" value="{stage_of[name]}"/>'
+                          f'</properties>' if name in stage_of else "")
+                       + f'{"<failure/>" if failed else ""}</testcase>'
                        for i, (name, failed) in enumerate(cases))
         (tmp_path / "junit-s.xml").write_text(f"<testsuites><testsuite>{body}"
                                               f"</testsuite></testsuites>")
@@ -27,7 +32,7 @@ def session_outcome(monkeypatch, tmp_path, returncode: int, cases: list[tuple[st
     return session.run("ci", ["first", "second"])
 
 
-def test_each_stage_reads_its_own_files(monkeypatch, tmp_path):
+def test_each_stage_reads_its_own_tests(monkeypatch, tmp_path):
     got = session_outcome(monkeypatch, tmp_path, 1, [
         ("tests.test_a", True), ("tests.test_b", False), ("tests.test_c.TestClass", False)])
     assert got["first"].verdict == "failed" and got["first"].failures == ["tests.test_a::t0"]
@@ -55,12 +60,12 @@ def test_an_unexplained_outcome_is_unknown(monkeypatch, tmp_path, returncode, ca
 ])
 def test_only_an_exact_thorough_run_of_every_stage_is_recorded_for_the_gate(
         monkeypatch, tmp_path, thorough, stages, verdict, recorded):
-    from exactness import gate
+    from exactness.suite import gate
 
     monkeypatch.setattr(verify, "REPORTS", tmp_path)
     monkeypatch.setattr(verify, "STAGES", [verify.Stage(
         "fake", "", lambda profile: verify.StageResult("fake", verdict, checks=1))])
     calls = []
     monkeypatch.setattr(gate, "record_thorough_verdict", lambda *args: calls.append(args))
-    assert verify.main(thorough, stages) == (0 if verdict == "passed" else 1)
+    assert verify.run(thorough, stages) == (0 if verdict == "passed" else 1)
     assert len(calls) == recorded

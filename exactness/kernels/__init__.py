@@ -1,3 +1,22 @@
-"""The fast paths: both compute T[r, n] = sum_k qa[r, k] * q[n, k] * ms[n, g] << shift[n, g]
-exactly in int64 (docs/SPEC.md section 5); the one final rounding is formats.round_scaled_array.
+"""Every kernel, in one registry: the plan takes the first that runs here, holds the inputs and
+is preferred at the batch's size (kernels/registry.py). Adding a kernel is its own module and
+one line here (docs/ARCHITECTURE.md).
+
+Each computes T[r, n] = sum_k qa[r, k] * q[n, k] * ms[n, g] << shift[n, g] exactly, then the
+one final rounding (docs/SPEC.md section 5).
 """
+
+from . import cpu, native, triton_exact, wide
+from .registry import Fit, Kernel, KernelUnavailableError, Plan, Weights, plan
+
+REGISTRY: tuple[Kernel, ...] = (
+    native.SPANS,  # C, AVX-512 VNNI: 16-bit activations as int16 words, from 24 rows on
+    native.LIMBS,  # C, AVX-512 VNNI: activations as int8 limbs
+    cpu.INT8_GEMM,  # torch._int_mm on folded weight digits
+    cpu.INT64_MATMUL,  # an int64 matmul, where torch._int_mm is not exact
+    triton_exact.FOLDED,  # GPU, many rows: an int8 GEMM on folded weight digits
+    triton_exact.GROUP,  # GPU: per group of 32, int8 dots on tensor cores
+    wide.WIDE,  # Python integers, any scale spread: the certificate's slow rows
+)
+
+__all__ = ["REGISTRY", "Fit", "Kernel", "KernelUnavailableError", "Plan", "Weights", "plan"]

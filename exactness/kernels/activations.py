@@ -13,7 +13,7 @@ import torch
 
 from ..contract import float_format
 from ..formats import float_bits
-from ..reference import quantize_activations
+from ..quantize import quantize_activations
 
 
 def quantize_rows(x: torch.Tensor, act_bits: int) -> tuple[torch.Tensor, torch.Tensor]:

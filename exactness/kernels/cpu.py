@@ -15,7 +15,10 @@ import functools
 import torch
 
 from .. import dataflow
-from ..contract import GROUP_SIZE
+from ..contract import GROUP_SIZE, FloatFormat, float_format
+from ..formats import bits_to_tensor, check_finite, float_bits, round_scaled_array, unpack_weights
+from .activations import quantize_rows
+from .registry import Fit, Weights, no, yes
 
 
 class FoldedWeights:
@@ -72,3 +75,43 @@ def accumulate_int64(qa: torch.Tensor, folded: FoldedWeights) -> torch.Tensor:
     w = sum(limb.to(torch.int64) << (dataflow.LIMB_BITS * j)
             for j, limb in enumerate(folded.limbs))
     return qa.to(torch.int64) @ w.t()
+
+
+class _GemmKernel:
+    """The CPU path without the C kernel: activations quantized in float64 (quantize_rows), T by
+    int8 GEMMs of limbs and digits (`int8-gemm`) or an int64 matmul (`int64-matmul`, for CPUs
+    whose torch._int_mm is missing or inexact), the one rounding by formats."""
+
+    family, layout, auto, min_rows = "cpu", "folded", True, 0
+
+    def __init__(self, name: str, int8: bool):
+        self.name, self.int8 = name, int8
+
+    def available(self, device: torch.device) -> Fit:
+        if device.type != "cpu":
+            return no(f"it runs on the CPU, x is on {device}")
+        if self.int8 and not int_mm_exact():
+            return no("torch._int_mm is missing or not exact on this CPU")
+        return yes("torch._int_mm, exact here" if self.int8 else "int64 matmul")
+
+    def eligible(self, rows: int, weights: Weights) -> Fit:
+        return yes("any widths")
+
+    def prepare(self, weights: Weights) -> FoldedWeights:
+        q = unpack_weights(weights.packed.cpu().numpy(), weights.bits, weights.k)
+        return FoldedWeights(torch.from_numpy(q), weights.certificate.factor.cpu())
+
+    def run(self, x, weights: Weights, prepared: FoldedWeights, out_format: FloatFormat):
+        if not bool(torch.isfinite(x).all()):
+            check_finite(float_bits(x), float_format(x.dtype), "x")
+        qa, e_r = quantize_rows(x, weights.act_bits)
+        if self.int8:
+            t = accumulate(dataflow.activation_limbs(qa, weights.act_bits), prepared)
+        else:
+            t = accumulate_int64(qa, prepared)
+        e = e_r[:, None] + weights.certificate.emin[None, :]
+        return bits_to_tensor(round_scaled_array(t, e, out_format), out_format)
+
+
+INT8_GEMM = _GemmKernel("int8-gemm", int8=True)
+INT64_MATMUL = _GemmKernel("int64-matmul", int8=False)

@@ -19,14 +19,16 @@ import functools
 import hashlib
 import os
 import subprocess
+import warnings
 from pathlib import Path
 
 import torch
 
 from .. import dataflow
 from ..contract import GROUP_SIZE, FloatFormat, act_qmax, float_format
-from ..formats import check_finite, float_bits, torch_dtype
-from ..reference import quantize_activations
+from ..formats import check_finite, float_bits, torch_dtype, unpack_weights
+from ..quantize import quantize_activations
+from .registry import Fit, Weights, no, yes
 
 SOURCE = Path(__file__).with_name("cpu_vnni.c")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512dq",
@@ -38,38 +40,76 @@ SPAN_MIN_ROWS = 24  # from here on the span kernel is faster (measured: docs/PER
 LANE_ROWS = [row for i in range(8) for row in (i, 8 + i)]
 
 
-def _cpu_has_vnni() -> bool:
+def _missing_features() -> list[str]:
     try:
         flags = Path("/proc/cpuinfo").read_text().split()
     except OSError:
-        return False
-    return all(f in flags for f in NEEDS)
+        return ["/proc/cpuinfo (unreadable)"]
+    return [f for f in NEEDS if f not in flags]
+
+
+def _cpu_has_vnni() -> bool:
+    return not _missing_features()
 
 
 @functools.cache
+def status() -> tuple[ctypes.CDLL | None, Fit]:
+    """(the loaded kernel or None, and why): no VNNI, no compiler, or which self-check failed."""
+    if os.environ.get("EXACTNESS_NATIVE", "1") == "0":
+        return None, no("EXACTNESS_NATIVE=0 turns the C kernel off")
+    missing = _missing_features()
+    if missing:
+        return None, no(f"the CPU lacks {', '.join(missing)}")
+    lib, why = build(SOURCE.read_text())
+    if lib is None:
+        return None, why
+    verdict = _self_check(lib)
+    return (lib if verdict else None), verdict
+
+
 def library():
-    """The loaded kernel, or None (no VNNI, no compiler, or a failed self-check)."""
-    if os.environ.get("EXACTNESS_NATIVE", "1") == "0" or not _cpu_has_vnni():
-        return None
-    return load(SOURCE.read_text())
+    """The loaded, self-checked kernel, or None (status() says why)."""
+    return status()[0]
+
+
+@functools.cache
+def warn_fallback(why: str) -> None:
+    """Says once per process why the C kernel is not used."""
+    warnings.warn(f"the C kernel (AVX-512 VNNI) is not used: {why}; a slower exact CPU kernel "
+                  f"runs instead", FallbackWarning, stacklevel=3)
+
+
+class FallbackWarning(UserWarning):
+    """A faster kernel is not used here, and why."""
 
 
 def load(source: str, check: bool = True):
     """`source` compiled (cached by its hash) and loaded; None if it does not compile or, with
-    `check`, fails the self-check. (check=False is for planted bugs: exactness.mutants.)"""
+    `check`, fails the self-check. (check=False is for planted bugs: exactness.suite.mutants.)"""
+    lib, _ = build(source)
+    return lib if lib is not None and (not check or _self_check(lib)) else None
+
+
+def build(source: str) -> tuple[ctypes.CDLL | None, Fit]:
+    """`source` compiled with the system compiler (cached by its hash) and loaded, or None and
+    why not."""
     key = hashlib.sha256((source + " ".join(FLAGS)).encode()).hexdigest()[:16]
     cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "exactness"
     so = cache / f"cpu_vnni-{key}.so"
     if not so.exists():
         src, tmp = so.with_suffix(f".{os.getpid()}.c"), so.with_suffix(f".{os.getpid()}.tmp")
+        compiler = os.environ.get("CC", "cc")
         try:  # each process compiles to its own names; the rename is atomic
             cache.mkdir(parents=True, exist_ok=True)
             src.write_text(source)
-            subprocess.run([os.environ.get("CC", "cc"), *FLAGS, str(src), "-o", str(tmp)],
+            subprocess.run([compiler, *FLAGS, str(src), "-o", str(tmp)],
                            check=True, capture_output=True, timeout=120)
             os.replace(tmp, so)
-        except (OSError, subprocess.SubprocessError):
-            return None  # no compiler, or no writable cache: the int8-GEMM path runs instead
+        except subprocess.CalledProcessError as e:
+            return None, no(f"{compiler} failed on cpu_vnni.c: "
+                            f"{e.stderr.decode(errors='replace').strip()[-300:]}")
+        except (OSError, subprocess.SubprocessError) as e:
+            return None, no(f"no C compiler or no writable cache ({compiler}, {cache}): {e}")
         finally:
             with contextlib.suppress(OSError):
                 src.unlink()
@@ -87,7 +127,7 @@ def load(source: str, check: bool = True):
         counts = name in ("row_exponents", "exact_linear")
         getattr(lib, name).restype = ctypes.c_int64 if counts else None
         getattr(lib, name).argtypes = argtypes
-    return lib if not check or _self_check(lib) else None
+    return lib, yes("compiled")
 
 
 class Layer(ctypes.Structure):
@@ -236,12 +276,6 @@ def quantize(x: torch.Tensor, act_bits: int, lib=None, words: bool = False):
     return lo, hi, e_r
 
 
-def uses_spans(act_bits: int, weights: NativeWeights, rows: int) -> bool:
-    """Whether linear() takes exact_linear_spans: 16-bit activations, 4-bit weights, and enough
-    rows to pay for expanding the weights once per forward (docs/PERFORMANCE.md)."""
-    return act_bits == 16 and weights.nibbles and rows >= SPAN_MIN_ROWS
-
-
 def accumulate(lo: torch.Tensor, hi: torch.Tensor, act_bits: int, weights: NativeWeights,
                lib=None, rounding: tuple | None = None, spans: bool = False) -> torch.Tensor:
     """T [M, Np] int64 (padded columns are 0) from the biased limbs (or, with `spans`, from
@@ -287,11 +321,11 @@ def round_rows(t: torch.Tensor, n: int, e_r: torch.Tensor, emin: torch.Tensor,
 
 
 def linear(x: torch.Tensor, act_bits: int, weights: NativeWeights, emin: torch.Tensor,
-           out_format: FloatFormat, lib=None) -> torch.Tensor:
+           out_format: FloatFormat, lib=None, spans: bool = False) -> torch.Tensor:
     """The whole fast path for x [M, K], in one call of the C kernel (exact_linear: quantize,
-    then accumulate with the rounding fused): y [M, N] in `out_format` (raises on non-finite x)."""
+    then accumulate with the rounding fused, through exact_linear_spans with `spans`): y [M, N]
+    in `out_format` (raises on non-finite x)."""
     lib = lib or library()
-    spans = uses_spans(act_bits, weights, x.shape[0])
     fmt = float_format(x.dtype)
     x = x.contiguous()
     y = torch.empty((x.shape[0], weights.n), dtype=torch_dtype(out_format))
@@ -313,13 +347,13 @@ def span_order(qa: torch.Tensor) -> torch.Tensor:
     return qa.view(m, k // 4, 4)[:, :, [0, 2, 1, 3]].reshape(m, k).to(torch.int16).contiguous()
 
 
-def _self_check(lib) -> bool:
+def _self_check(lib) -> Fit:
     """The compiled passes against their Python twins: quantization, limbs and span-order words
     against reference.quantize_activations and dataflow.activation_limbs, both accumulation
     kernels against int64 arithmetic (the worst case, random data, long and one-group spans,
     unshifted blocks), the rounding, fused and as a pass, against formats.round_scaled_array
     (ties, subnormals, overflow), in every format; then the one-call path against those
-    passes."""
+    passes. The verdict names the check that failed and its input."""
     from ..contract import FORMATS
     from ..formats import bits_to_tensor, round_scaled_array
 
@@ -335,9 +369,12 @@ def _self_check(lib) -> bool:
             qa, want_e = quantize_activations(bits, fmt, act_bits)
             limbs = (dataflow.activation_limbs(qa, act_bits).to(torch.int16) + 128).to(torch.uint8)
             words, _, _ = quantize(bits_to_tensor(bits, fmt), act_bits, lib, words=True)
-            if not (torch.equal(e_r, want_e) and torch.equal(lo, limbs[0])
-                    and torch.equal(hi, limbs[-1]) and torch.equal(words, span_order(qa))):
-                return False
+            for what, got, want in (("row exponents", e_r, want_e), ("low limbs", lo, limbs[0]),
+                                    ("high limbs", hi, limbs[-1]),
+                                    ("span-order words", words, span_order(qa))):
+                if not torch.equal(got, want):
+                    return no(f"its self-check failed on the quantization's {what} "
+                              f"(act_bits {act_bits}, {fmt.name} x)")
         qmax = act_qmax(act_bits)
         # both layouts, every tail of a tile; the last three: long spans of groups, one-group
         # spans, unshifted blocks (shifts 0 and 1 only)
@@ -365,13 +402,16 @@ def _self_check(lib) -> bool:
                 kernels.append((words, words, True))
             for lo, hi, spans in kernels:
                 got = accumulate(lo, hi, act_bits, weights, lib, spans=spans)
+                where = (f"{'exact_linear_spans' if spans else 'exact_linear_vnni'}, "
+                         f"{w_bits}-bit weights, {m} rows, act_bits {act_bits}")
                 if not torch.equal(got[:, :37], want):
-                    return False
+                    return no(f"its self-check failed on the accumulation ({where})")
                 for fmt in FORMATS.values():  # the rounding in the kernel's registers
                     y = accumulate(lo, hi, act_bits, weights, lib, (e_r, emin, fmt), spans)
                     if not torch.equal(float_bits(y), round_scaled_array(want, e_r[:, None]
                                                                          + emin[None, :], fmt)):
-                        return False
+                        return no(f"its self-check failed on the fused rounding to {fmt.name} "
+                                  f"({where})")
     # the one-call path (exact_linear), through either kernel, against exact_linear_vnni's passes
     # (checked above); one group too (fewer than a tile's rows: the span kernel's rounding of the
     # tile before then waits past the tile's end)
@@ -386,8 +426,10 @@ def _self_check(lib) -> bool:
             x = torch.randn(m, k, generator=g).to(torch_dtype(fmt))
             lo, hi, e_r = quantize(x, act_bits, lib)
             want = accumulate(lo, hi, act_bits, weights, lib, (e_r, emin, fmt))
-            if not torch.equal(linear(x, act_bits, weights, emin, fmt, lib), want):
-                return False
+            spans = act_bits == 16 and m >= SPAN_MIN_ROWS
+            if not torch.equal(linear(x, act_bits, weights, emin, fmt, lib, spans), want):
+                return no(f"its self-check failed on the one-call path (exact_linear, K = {k}, "
+                          f"{m} rows, act_bits {act_bits}, {fmt.name})")
     t = torch.randint(-(2**62), 2**62, (4, 67), generator=g) >> torch.randint(0, 62, (4, 67),
                                                                             generator=g)
     t[0, :8] = torch.tensor([0, 1, -1, 3, -3, 2**62, -(2**62), 5])
@@ -407,5 +449,42 @@ def _self_check(lib) -> bool:
     for fmt in FORMATS.values():
         want = round_scaled_array(t, e_r[:, None] + emin[None, :], fmt)
         if not torch.equal(float_bits(round_rows(t, 67, e_r, emin, fmt, lib)), want):
-            return False
-    return True
+            return no(f"its self-check failed on round_rows to {fmt.name} (ties, subnormals, "
+                      f"overflow)")
+    return yes("AVX-512 VNNI, self-checked")
+
+
+class _VnniKernel:
+    """cpu_vnni.c's one-call path (exact_linear), through the limb or the span kernel."""
+
+    family, layout, auto = "cpu", "vnni", True
+
+    def __init__(self, name: str, spans: bool, min_rows: int):
+        self.name, self.spans, self.min_rows = name, spans, min_rows
+
+    def available(self, device: torch.device) -> Fit:
+        if device.type != "cpu":
+            return no(f"it runs on the CPU, x is on {device}")
+        lib, why = status()
+        if lib is None:
+            warn_fallback(why.why)
+        return why
+
+    def eligible(self, rows: int, weights: Weights) -> Fit:
+        if self.spans and not (weights.act_bits == 16 and weights.bits == 4):
+            return no(f"it takes 16-bit activations and 4-bit weights, not act_bits "
+                      f"{weights.act_bits} and {weights.bits}-bit weights")
+        return yes("16-bit activations as int16 words" if self.spans else "any widths")
+
+    def prepare(self, weights: Weights) -> NativeWeights:
+        q = unpack_weights(weights.packed.cpu().numpy(), weights.bits, weights.k)
+        return NativeWeights(torch.from_numpy(q), weights.certificate.factor.cpu())
+
+    def run(self, x, weights: Weights, prepared: NativeWeights, out_format: FloatFormat):
+        return linear(x, weights.act_bits, prepared, weights.certificate.emin, out_format,
+                      spans=self.spans)
+
+
+# spans pay for expanding the weights once per forward from SPAN_MIN_ROWS rows on
+SPANS = _VnniKernel("vnni-spans", spans=True, min_rows=SPAN_MIN_ROWS)
+LIMBS = _VnniKernel("vnni-limbs", spans=False, min_rows=0)

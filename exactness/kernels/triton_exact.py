@@ -26,7 +26,10 @@ import os
 import torch
 
 from .. import dataflow
-from ..contract import GROUP_SIZE, act_qmax, float_format
+from ..contract import GROUP_SIZE, ContractValueError, FloatFormat, act_qmax, float_format
+from ..formats import check_finite, float_bits, torch_dtype
+from .cpu import int_mm_exact
+from .registry import Fit, Weights, no, yes
 
 try:
     import triton
@@ -57,9 +60,9 @@ MIN_SLICE_GROUPS = 1 if INTERPRETED else 8
 GPU_FOLD, GPU_COMBINE_BLOCK = (16, 128), 32  # no spills (triton_aot)
 FOLD_BLOCK_N, FOLD_BLOCK_K = (64, 1024) if INTERPRETED else GPU_FOLD
 COMBINE_BLOCK = 128 if INTERPRETED else GPU_COMBINE_BLOCK
-# From this many activation rows a forward takes linear_folded. Not measured yet (no GPU has been
-# lent): the count of each kernel's instructions (docs/PERFORMANCE.md) puts the crossover at
-# tens of rows; bench/gpu_check.py times both paths at every M and says which is faster.
+# From this many activation rows the plan prefers linear_folded. The count of each kernel's
+# instructions (docs/PERFORMANCE.md) puts the crossover at tens of rows; measuring it on a GPU
+# (bench/gpu_check.py times both paths at every M) is issue 27.
 FOLDED_MIN_ROWS = 64
 
 
@@ -497,3 +500,77 @@ def linear_folded(limbs: torch.Tensor, e_r: torch.Tensor, weight_packed: torch.T
     combine_kernel[grid](z, row_sums, e_r, emin.to(torch.int64), y.view(_BITS[out.width]), m, n,
                          z.stride(0), y.stride(0), **combine_constants(a_limbs, w_limbs, out))
     return y
+
+
+class _TritonKernel:
+    """The Triton forward: x quantized by quantize_kernel, then the group kernel (`linear`) or
+    the folded GEMM (`linear_folded`), in blocks of rows that keep each launch's offsets in int32
+    (rows_per_launch); the non-finite flags are read back once every launch is queued."""
+
+    family, layout, auto = "triton", "triton", True
+
+    def __init__(self, name: str, folded: bool, min_rows: int):
+        self.name, self.folded, self.min_rows = name, folded, min_rows
+
+    def available(self, device: torch.device) -> Fit:
+        if triton is None:
+            return no("the triton package is not installed")
+        if device.type == "cpu" and not INTERPRETED:
+            return no("x is on the CPU and TRITON_INTERPRET=1 is not set")
+        if device.type not in ("cpu", "cuda"):
+            return no(f"Triton runs on CUDA devices (or the CPU interpreter), x is on {device}")
+        if self.folded and not int_mm_exact(str(device)):
+            return no(f"torch._int_mm is missing or not exact on {device}")
+        return yes("Triton, interpreted" if device.type == "cpu" else f"Triton on {device}")
+
+    def eligible(self, rows: int, weights: Weights) -> Fit:
+        if not self.folded:
+            return yes("any widths")
+        per_launch = rows_per_launch(weights.k, weights.n, weights.act_bits)
+        blocks = {min(per_launch, rows - start) for start in range(0, rows, per_launch)}
+        if not all(folded_fits(m, weights.n, weights.k) for m in blocks):
+            return no(f"torch._int_mm does not take M in {sorted(blocks)}, N = {weights.n}, "
+                      f"K = {weights.k} (more than 16 rows, N and K multiples of 8)")
+        return yes("int8 GEMM on folded weight digits")
+
+    def prepare(self, weights: Weights) -> dict:
+        return {}  # per device: gpu_weights
+
+    def run(self, x, weights: Weights, prepared: dict, out_format: FloatFormat):
+        if capturing(x):
+            raise ContractValueError(
+                "the exact layers cannot be captured into a CUDA graph: a forward reads its "
+                "non-finite flags back to raise the contract's ValueError, which a graph's "
+                "replay could not do; run them eagerly")
+        y, nonfinite = self.launches(x, weights, gpu_weights(weights, prepared, x.device),
+                                     torch_dtype(out_format))
+        if bool(nonfinite.cpu().any()):  # the device never waits on the host before this
+            check_finite(float_bits(x), float_format(x.dtype), "x")  # raises: count, index
+        return y
+
+    def launches(self, x, weights: Weights, derived: tuple, out_dtype: torch.dtype):
+        """(y, the rows' non-finite flags), every block of rows queued, nothing read back."""
+        args = (weights.packed, *derived, weights.bits)
+        digits = dataflow.folded_weight_limbs(weights.bits, weights.certificate.fast_spread)
+        ys, flags = [], []
+        for rows in x.split(rows_per_launch(weights.k, weights.n, weights.act_bits)):
+            limbs, e_r, nonfinite = quantize(rows, weights.act_bits)
+            if self.folded:
+                ys.append(linear_folded(limbs, e_r, *args, digits, out_dtype))
+            else:
+                ys.append(linear(limbs, e_r, *args, out_dtype))
+            flags.append(nonfinite)
+        return (ys[0], flags[0]) if len(ys) == 1 else (torch.cat(ys), torch.cat(flags))
+
+
+def gpu_weights(weights: Weights, prepared: dict, device: torch.device) -> tuple:
+    """(factor, offset_sums, emin) on `device`, derived once per device and kept in `prepared`."""
+    if device not in prepared:
+        factor = weights.certificate.factor.to(device)
+        prepared[device] = (factor, offset_sums(weights.packed.to(device), factor, weights.bits),
+                            weights.certificate.emin.to(device))
+    return prepared[device]
+
+
+FOLDED = _TritonKernel("triton-folded", folded=True, min_rows=FOLDED_MIN_ROWS)
+GROUP = _TritonKernel("triton-group", folded=False, min_rows=0)

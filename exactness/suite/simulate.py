@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import dataflow
+from .. import dataflow
+from ..contract import GROUP_SIZE
+from ..formats import round_scaled_array
 from .cases import LinearCase
-from .contract import GROUP_SIZE
-from .formats import round_scaled_array
 from .reference import quantize_activations, split_scales
 
 

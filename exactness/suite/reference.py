@@ -18,8 +18,8 @@ from fractions import Fraction
 
 import numpy as np
 
-from . import dataflow
-from .contract import (
+from .. import dataflow
+from ..contract import (
     BFLOAT16,
     GROUP_SIZE,
     ShapeError,
@@ -29,18 +29,15 @@ from .contract import (
     check_weight_bits,
     float_format,
 )
-from .formats import (
-    array_module,
-    as_int64,
-    bit_length_array,
+from ..formats import (
     check_finite,
     decode,
-    decode_array,
-    rne_shift_right,
     round_scaled,
     round_scaled_array,
+    split_scales,
     unpack_weights,
 )
+from ..quantize import quantize_activations
 
 # --------------------------------------------------------------------------- the oracle
 
@@ -140,41 +137,8 @@ def check_linear_inputs(x_bits, x_format, weight_packed, scale_bits, act_bits, w
     return x_bits, packed, scale_bits
 
 
-def quantize_activations(x_bits, x_format, act_bits: int):
-    """Contract section 3, vectorized (numpy or torch): (qa int64 [M, K], e_r int64 [M]).
-
-    Zero rows get e_r = 0. Finiteness is the caller's to check.
-    """
-    xp = array_module(x_bits)
-    fmt = float_format(x_format)
-    qmax = act_qmax(act_bits)
-    m, e = decode_array(x_bits, fmt)
-    # |x| orders like the magnitude bits of its pattern, so amax is found without decoding all.
-    am, ae = decode_array(xp.amax(as_int64(x_bits) & fmt.abs_mask, axis=1), fmt)
-    # smallest t with am <= Qa * 2**t is t0 or t0 + 1 (t0 from the bit lengths); e_r = ae + t
-    t0 = bit_length_array(am) - qmax.bit_length()
-    qmax_t0 = (t0 * 0 + qmax) << t0.clip(min=0)
-    fits = xp.where(t0 >= 0, am <= qmax_t0, am << (-t0).clip(min=0) <= qmax)
-    e_r = xp.where(am == 0, 0, ae + t0 + xp.where(fits, 0, 1))
-    # qa = RNE(m * 2**(e - e_r)): an exact left shift, or a rounded right shift; |m| < 2**25, so
-    # right shifts past 26 give 0 (under half) and clipping them to 62 changes nothing.
-    s = e - e_r[:, None]
-    a = xp.abs(m)
-    n = xp.where(s >= 0, a << s.clip(0, 62), rne_shift_right(a, (-s).clip(0, 62)))
-    return xp.where(m < 0, -n, n), e_r
 
 
-def split_scales(scale_bits):
-    """bf16 scales [N, G] (numpy or torch) as (ms, shift, emin, spread):
-    s = ms * 2**(emin + shift), emin[n] the least exponent of row n's nonzero scales (0 if none),
-    shift 0 for zero scales, spread[n] the row's largest shift."""
-    xp = array_module(scale_bits)
-    ms, es = decode_array(scale_bits, BFLOAT16)
-    big = 2**62
-    emin = xp.amin(xp.where(ms != 0, es, big), axis=1)
-    emin = xp.where(emin == big, 0, emin)
-    shift = xp.where(ms != 0, es - emin[:, None], 0)
-    return ms, shift, emin, xp.amax(shift, axis=1)
 
 
 def reference_linear(x_bits, x_format, weight_packed, scale_bits, *, act_bits: int = 16,

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from . import gate
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 REPORTS = ROOT / "reports"
 
 
@@ -46,17 +46,16 @@ class Stage:
 class PytestSession:
     """Stages that are pytest selections, run as one pytest session in a subprocess (one xdist
     start-up, ~7 s on 2 cores, instead of one per stage, and one pool for all their tests), then
-    reported per stage from the session's JUnit XML: a test belongs to the stage of its file.
-    kill_only: the selection only has to fail under planted bugs, so the ci profile runs it
-    without shrinking."""
+    reported per stage from the session's JUnit XML. A test module says its stage itself
+    (`pytestmark = pytest.mark.stage("name")`); `pytest --stage name` selects those modules, and
+    conftest records each test's stage in the XML. kill_only: the selection only has to fail
+    under planted bugs, so the ci profile runs it without shrinking."""
 
     def __init__(self, name: str, kill_only: bool = False):
         self.name, self.kill_only = name, kill_only
-        self.files: dict[str, str] = {}  # test file -> stage
         self.what: dict[str, str] = {}  # stage -> what it checks
 
-    def stage(self, name: str, what: str, *files: str) -> Stage:
-        self.files.update(dict.fromkeys(files, name))
+    def stage(self, name: str, what: str) -> Stage:
         self.what[name] = what
         return Stage(name, what, session=self)
 
@@ -69,17 +68,15 @@ class PytestSession:
         junit.unlink(missing_ok=True)
         env = dict(os.environ, HYPOTHESIS_PROFILE=profile, TRITON_INTERPRET="1",
                    EXACTNESS_FIRST_KILLER="1")
-        files = [f for f, stage in self.files.items() if stage in stages]
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-               f"--junitxml={junit}", *files]
+               f"--junitxml={junit}", *(f"--stage={stage}" for stage in stages)]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         results = {name: StageResult(name, "passed", detail=self.what[name]) for name in stages}
-        modules = {f.removesuffix(".py").replace("/", "."): s for f, s in self.files.items()}
         if junit.exists():
             for case in ET.parse(junit).iter("testcase"):
-                name = case.get("classname", "")  # "tests.test_modules", or with a class after
-                result = next((results.get(stage) for module, stage in modules.items()
-                               if name == module or name.startswith(module + ".")), None)
+                stage = next((p.get("value") for p in case.iter("property")
+                              if p.get("name") == "stage"), None)
+                result = results.get(stage)
                 if result is None:
                     continue
                 result.checks += 1
@@ -126,17 +123,17 @@ def vectors_stage(profile: str) -> StageResult:
     from .counterexamples import check_bits
     from .paths import available_paths, run
 
-    failures = []
-    cases = load_vectors()
-    paths = available_paths()
-    for case in cases:
-        for path in paths:
+    failures, checks, used = [], 0, {}
+    for case in load_vectors():
+        for path in available_paths(case):  # every path, every kernel that holds the case
+            used[path] = None
+            checks += 1
             try:
                 check_bits(case, path, run(case, path), case.expected, source="vectors")
             except AssertionError as e:
                 failures.append(str(e))
-    return StageResult("vectors", "failed" if failures else "passed", len(paths) * len(cases),
-                       detail=f"shared/vectors reproduced by {', '.join(paths)}",
+    return StageResult("vectors", "failed" if failures else "passed", checks,
+                       detail=f"the contract's vectors reproduced by {', '.join(used)}",
                        failures=failures)
 
 
@@ -155,27 +152,22 @@ _TESTS = PytestSession("tests")
 STAGES = [
     Stage("proofs", "Z3: accumulator bounds at Kimi sizes, the rounding routine", proofs_stage),
     Stage("vectors", "the contract's independent test vectors, every path", vectors_stage),
-    _TESTS.stage("reference", "oracle == numpy reference == peers; proofs cross-checked",
-                 "tests/test_formats.py", "tests/test_reference.py", "tests/test_vectors.py",
-                 "tests/test_proofs.py"),
-    _TESTS.stage("equivalence", "every layer path == reference, bit for bit, full Kimi sizes too",
-                 "tests/test_modules.py"),
-    _TESTS.stage("compiled", "the Triton kernels compile for sm_90 (thorough: sm_80 too), int MMA",
-                 "tests/test_triton_compile.py"),
+    _TESTS.stage("reference", "oracle == numpy reference == peers; proofs cross-checked"),
+    _TESTS.stage("equivalence", "every layer path == reference, bit for bit, full Kimi sizes too"),
+    _TESTS.stage("compiled", "the Triton kernels compile for sm_90 (thorough: sm_80 too), int MMA"),
     Stage("corpus", "tests/counterexamples replayed on every path", corpus_stage),
-    PytestSession("mutants", kill_only=True).stage(
-        "mutants", "every planted bug is caught", "tests/test_mutants.py"),
+    PytestSession("mutants", kill_only=True).stage("mutants", "every planted bug is caught"),
 ]
 
 
-def _compared(counts: Path, files: dict[str, str] | None = None, stage: str = "") -> int:
+def _compared(counts: Path, stage: str | None = None) -> int:
     """Outputs compared, from the tallies the checks wrote (counterexamples._count: a count and
-    the test file, "-" outside pytest); with `files`, only those of `stage`'s files."""
+    the test's stage, "-" outside one); with `stage`, only that stage's."""
     if not counts.exists():
         return 0
     tallies = (line.split() for line in counts.read_text().splitlines() if line)
-    return sum(int(n) for n, *test in tallies
-               if files is None or files.get(test[0] if test else "-") == stage)
+    return sum(int(n) for n, *tagged in tallies
+               if stage is None or (tagged[0] if tagged else "-") == stage)
 
 
 def _junit(results: list[StageResult]) -> str:
@@ -191,7 +183,18 @@ def _junit(results: list[StageResult]) -> str:
     return ET.tostring(suite, encoding="unicode")
 
 
-def main(thorough: bool = False, stages: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m exactness verify")
+    parser.add_argument("--thorough", action="store_true", help="nightly-scale Hypothesis profile")
+    parser.add_argument("--stage", action="append", help="run only this stage (repeatable)")
+    args = parser.parse_args(argv)
+    return run(args.thorough, args.stage)
+
+
+def run(thorough: bool = False, stages: list[str] | None = None) -> int:
+    """Every stage (or the chosen `stages`), the table, the reports: 0 iff exact."""
     from .mutants import from_env
 
     profile = "thorough" if thorough else "ci"
@@ -222,7 +225,7 @@ def main(thorough: bool = False, stages: list[str] | None = None) -> int:
                 together = [s.name for s in chosen if s.session is session]
                 done.update(session.run(profile, together))
                 for name in together:
-                    done[name].compared = _compared(counts, session.files, name)
+                    done[name].compared = _compared(counts, name)
                 if len(together) > 1:
                     print(f"      (one pytest session for {', '.join(together)}: "
                           f"{time.perf_counter() - start:.1f} s)", flush=True)

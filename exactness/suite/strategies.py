@@ -11,8 +11,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from .cases import LinearCase
-from .contract import (
+from ..contract import (
     ACT_BITS,
     BFLOAT16,
     FORMATS,
@@ -25,7 +24,8 @@ from .contract import (
     float_format,
     weight_range,
 )
-from .formats import pack_weights, round_scaled
+from ..formats import pack_weights, round_scaled
+from .cases import LinearCase
 
 KIMI_SHAPES = ((7168, 2048), (2048, 7168))  # (K, N) of the routed experts: gate/up, down
 KIMI_DENSE_K = 18432

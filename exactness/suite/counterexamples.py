@@ -18,9 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from ..contract import float_format
+from ..formats import unpack_weights
 from .cases import LinearCase, _hex
-from .contract import float_format
-from .formats import unpack_weights
 
 FORMAT = "exactness-counterexample"
 VERSION = 1
@@ -98,17 +98,17 @@ def read(file: Path | str) -> tuple[LinearCase, dict]:
 
 def _count(outputs: int) -> None:
     """Tally compared outputs where `make verify` asks for it (EXACTNESS_COUNT_FILE), with the
-    test file that compared them ("-" outside pytest): one pytest session runs several stages."""
+    stage of the test that compared them (EXACTNESS_STAGE, set by conftest; "-" outside one): one
+    pytest session runs several stages."""
     target = os.environ.get("EXACTNESS_COUNT_FILE")
     if target:
-        test = os.environ.get("PYTEST_CURRENT_TEST", "-").split("::")[0]
         with open(target, "a") as f:
-            f.write(f"{outputs} {test}\n")
+            f.write(f"{outputs} {os.environ.get('EXACTNESS_STAGE', '-')}\n")
 
 
 def from_layer(layer, x, *, path: str = "user", directory: Path | str | None = None) -> Path:
     """A user's own input to a layer as a counterexample file (expected: the reference's bits)."""
-    from .formats import float_bits, tensor_to_bits
+    from ..formats import float_bits, tensor_to_bits
     from .reference import reference_linear
 
     x2 = x.reshape(-1, layer.in_features)

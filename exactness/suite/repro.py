@@ -14,10 +14,10 @@ from fractions import Fraction
 
 import numpy as np
 
+from ..contract import BFLOAT16, GROUP_SIZE, FloatFormat
+from ..formats import decode
 from .cases import LinearCase
-from .contract import BFLOAT16, GROUP_SIZE, FloatFormat
 from .counterexamples import _count, read
-from .formats import decode
 from .paths import available_paths, run
 from .reference import quantize_activations
 
@@ -75,7 +75,7 @@ def replay(file: str, paths: list[str] | None = None, out=sys.stdout) -> int:
         print("\n".join(diff(case, case.expected, want)), file=out)
     failing = 0
     if not paths:
-        paths = sorted((set(available_paths()) | {doc["path"]}) - {"reference"})
+        paths = sorted((set(available_paths(case)) | {doc["path"]}) - {"reference"})
         if m * k * n > 2**20:  # the Fraction oracle would take minutes: the reference suffices
             paths.remove("oracle")
     for path in paths:

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .contract import BFLOAT16, FLOAT32, GROUP_SIZE, FloatFormat
-from .formats import (
+from ..contract import BFLOAT16, FLOAT32, GROUP_SIZE, FloatFormat
+from ..formats import (
     decode_array,
     float_bits,
     pack_weights,
@@ -33,7 +33,7 @@ from .formats import (
     tensor_to_bits,
     unpack_weights,
 )
-from .modules import PackedInt4Linear
+from ..modules import PackedInt4Linear
 
 LIMB = 20  # X limbs of 20 bits: |limb * W| < 2**35, K <= 2**17 terms: every sum < 2**53
 

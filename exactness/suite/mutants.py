@@ -2,8 +2,10 @@
 
 A mutant is one small textual change to one function of the package, compiled in memory and
 patched in for as long as `applied(mutant)` is open: nothing on disk changes. Each mutant names
-the tests that must fail while it is applied (its killers); tests/test_mutants.py checks that
-every one of them does.
+the tests that must fail while it is applied (its killers), as pytest node ids (parametrized ids
+too); `judge` runs them through pytest itself, in this process, with the mutant applied. A kill
+is a test failing in its call; a killer not collected, erring in setup or skipping is the
+harness's error, never a kill. tests/test_mutants.py checks every mutant.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ class Mutant:
     new: str  # ... and what replaces it
     bug: str  # the class of real bug it stands for
     killers: tuple[str, ...]  # "tests/test_x.py::test_y": the first must fail under the mutant
-    every_killer: bool = False  # the agreement tests of issue 2: each one must fail
+    every_killer: bool = False  # the agreement tests (oracle, reference, peers): each must fail
 
 
 def _resolve(target: str):
@@ -73,7 +75,7 @@ def _rebind(old, new) -> None:
 def mutated_c_kernel(mutant: Mutant):
     """The C kernel compiled from the mutated source, its start-up self-check skipped (the
     self-check would refuse it: tests/test_mutants.py shows it does)."""
-    from .kernels import native
+    from ..kernels import native
 
     lib = native.load(_planted(native.SOURCE.read_text(), mutant), check=False)
     if lib is None:
@@ -84,7 +86,7 @@ def mutated_c_kernel(mutant: Mutant):
 def runs_here(mutant: Mutant) -> bool:
     """C mutants, and those of the code only the C kernel runs, need the C kernel (AVX-512 VNNI
     and a compiler)."""
-    from .kernels import native
+    from ..kernels import native
 
     needs_c = mutant.target == C_KERNEL or mutant.target.startswith("exactness.kernels.native:")
     return not needs_c or native.library() is not None
@@ -98,7 +100,7 @@ def applied(mutant: Mutant) -> Iterator[None]:
     Restoring sweeps for the mutant again, so a module first imported inside the block (and so
     bound to the mutant) is put right too.
     """
-    from .kernels import native
+    from ..kernels import native
 
     native.library()  # load and self-check the C kernel with the real code, as at start-up
     if mutant.target == C_KERNEL:
@@ -124,10 +126,92 @@ def applied(mutant: Mutant) -> Iterator[None]:
             _rebind(mutated, original)
 
 
+ROOT = Path(__file__).resolve().parents[2]  # the repository: killers are its tests' node ids
+
+
+class _Outcomes:
+    """A pytest plugin: each test's outcome in the call phase (setup and teardown failures are
+    the harness's errors, never kills)."""
+
+    def __init__(self):
+        self.calls: dict[str, str] = {}  # node id -> "passed" | "failed" | "skipped"
+        self.errors: list[str] = []  # node ids whose setup or teardown failed
+        self.collected: list[str] = []
+        self.report = ""  # what pytest printed
+
+    def pytest_collection_finish(self, session):
+        self.collected = [item.nodeid for item in session.items]
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call":
+            self.calls[report.nodeid] = report.outcome
+        elif report.failed:
+            self.errors.append(report.nodeid)
+        elif report.skipped and report.when == "setup":
+            self.calls[report.nodeid] = "skipped"
+
+
+def run_tests(node_ids, stop_at_first_failure: bool = False, collect_only: bool = False):
+    """The tests `node_ids` ("tests/test_x.py::test_y[param]") run by pytest itself, in this
+    process (so a mutant applied here is in them): (pytest's exit code, _Outcomes)."""
+    import contextlib
+    import io
+
+    import pytest
+
+    outcomes = _Outcomes()
+    args = [str(ROOT / node) for node in node_ids]
+    options = ["-q", "-p", "no:cacheprovider", f"--rootdir={ROOT}", "-o", "addopts=",
+               "--tb=line", "-W", "ignore::pytest.PytestAssertRewriteWarning",
+               *(["-x"] if stop_at_first_failure else []),
+               *(["--collect-only"] if collect_only else [])]
+    with contextlib.redirect_stdout(io.StringIO()) as report:  # the caller's table stays clean
+        code = pytest.main([*options, *args], plugins=[outcomes])
+    outcomes.report = report.getvalue()
+    return int(code), outcomes
+
+
+@dataclass
+class Verdict:
+    """A mutant's result: killed (by which test), survived, or an error of the harness (a killer
+    that is not collected, fails in setup, or skips): never a kill."""
+
+    mutant: str
+    killed_by: str | None
+    survivors: list[str]
+    error: str | None
+
+
+def judge(mutant: Mutant, killers, every: bool = False) -> Verdict:
+    """Run `killers` under the mutant: the first must fail (with `every`, each must)."""
+    with applied(mutant):
+        code, outcomes = run_tests(killers, stop_at_first_failure=not every)
+    ids = {node: _collected_as(node, outcomes.collected) for node in killers}
+    missing = [node for node, found in ids.items() if found is None]
+    failed = [node for node, found in ids.items() if outcomes.calls.get(found) == "failed"]
+    ran = [node for node, found in ids.items() if found in outcomes.calls]
+    error = None
+    if missing or outcomes.errors or code not in (0, 1):
+        error = (f"pytest exit {code}; not collected: {missing}; "
+                 f"setup/teardown errors: {outcomes.errors}; {outcomes.report[-600:]}")
+    skipped = [node for node in ran if outcomes.calls[ids[node]] == "skipped"]
+    if skipped and not failed:
+        error = f"skipped (not a kill): {skipped}"
+    survivors = [node for node in ran if node not in failed]
+    killed = (failed and not survivors) if every else bool(failed)
+    return Verdict(mutant.name, failed[0] if killed and not error else None, survivors, error)
+
+
+def _collected_as(node: str, collected: list[str]) -> str | None:
+    """The collected node id that `node` (relative to the repository) names."""
+    return next((c for c in collected if c == node or c.endswith("/" + node)), None)
+
+
 @dataclass
 class Outcome:
     mutant: str
     killed_by: str | None
+    error: str | None
     seconds_to_first: float | None
     seconds: float
     counterexample: str | None
@@ -145,18 +229,11 @@ def hunt(mutant: Mutant, directory: Path) -> Outcome:
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True)
     os.environ["EXACTNESS_COUNTEREXAMPLES"] = str(directory)
-    tests = [(node, _killer(node)) for node in mutant.killers]
-    start = time.perf_counter()
-    killed_by = None
-    with applied(mutant):
-        for node, test in tests:
-            began = time.time()
-            if fails(test):
-                killed_by = node
-                break
+    start, began = time.perf_counter(), time.time()
+    verdict = judge(mutant, mutant.killers)
     seconds = time.perf_counter() - start
     files = sorted(directory.glob("*.json"), key=lambda f: f.stat().st_mtime_ns)
-    first = files[0].stat().st_mtime - began if files and killed_by else None
+    first = files[0].stat().st_mtime - began if files and verdict.killed_by else None
     kept, size, clean = None, None, None
     if files:  # Hypothesis replays the shrunk example last: the newest file is the minimal one
         from .counterexamples import read
@@ -169,38 +246,11 @@ def hunt(mutant: Mutant, directory: Path) -> Outcome:
         clean = replay(str(kept), out=open(os.devnull, "w")) == 0  # noqa: SIM115
         for f in files:
             f.unlink()
-        directory.rmdir()
+    shutil.rmtree(directory, ignore_errors=True)
     _importlib.invalidate_caches()
-    return Outcome(mutant.name, killed_by, None if first is None else round(first, 2),
-                   round(seconds, 2), str(kept) if kept else None, size, clean)
-
-
-def _killer(node_id: str):
-    """The test function `node_id` names; it must run with no arguments (a Hypothesis property,
-    or a plain test without parameters or fixtures): called without the ones it needs it would
-    raise a TypeError, which fails() would count as a kill under any mutant, or none."""
-    path, name = node_id.split("::")
-    module = importlib.import_module(path.removesuffix(".py").replace("/", "."))
-    test = getattr(module, name)
-    needed = [p.name for p in inspect.signature(test).parameters.values()
-              if p.default is inspect.Parameter.empty
-              and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if needed:
-        raise ValueError(f"killer {node_id} needs arguments {needed} (parameters or fixtures): "
-                         f"a killer must run as test()")
-    return test
-
-
-def fails(test) -> bool:
-    """Whether the killer fails: an assertion, pytest.fail or pytest.raises (whose exceptions
-    are BaseExceptions), or a crash. A skip is not a failure, and is raised."""
-    import pytest
-
-    try:
-        test()
-    except (Exception, pytest.fail.Exception):  # noqa: BLE001 - a failure or a crash both kill
-        return True
-    return False
+    return Outcome(mutant.name, verdict.killed_by, verdict.error,
+                   None if first is None else round(first, 2), round(seconds, 2),
+                   str(kept) if kept else None, size, clean)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="reports/mutants")
     args = parser.parse_args(argv)
     os.environ.setdefault("HYPOTHESIS_PROFILE", "ci")
-    import conftest  # noqa: F401 - registers and loads the Hypothesis profiles
+    from . import profiles
+
+    profiles.load()
 
     out = Path(args.out)
     outcomes = []
@@ -231,12 +283,12 @@ def main(argv: list[str] | None = None) -> int:
             continue
         o = hunt(mutant, out / mutant.name)
         outcomes.append(o)
-        verdict = "killed" if o.killed_by else "SURVIVED"
+        verdict = "killed" if o.killed_by else ("ERROR" if o.error else "SURVIVED")
         if o.killed_by and o.replays_clean is False:
             verdict = "killed*"  # its counterexample does not replay clean unmutated
         first = "-" if o.seconds_to_first is None else f"{o.seconds_to_first:.2f}"
         print(f"{o.mutant:<42} {verdict:<9} {first:>11} {o.seconds:>8.2f}  {o.size or '-':<12} "
-              f"{o.killed_by or '-'}", flush=True)
+              f"{o.killed_by or o.error or '-'}", flush=True)
     killed = [o for o in outcomes if o.killed_by]
     firsts = [o.seconds_to_first for o in killed if o.seconds_to_first is not None]
     ok = len(killed) == len(outcomes) and all(o.replays_clean is not False for o in killed)
@@ -264,21 +316,28 @@ def from_env() -> Mutant | None:
 ORACLE_VECTORS = "tests/test_vectors.py::test_every_vector_through_the_oracle"
 VECTORS = "tests/test_vectors.py::test_every_vector"
 AGREEMENT = "tests/test_reference.py::test_reference_matches_oracle"
-CPU = "tests/test_modules.py::test_cpu_path_matches_reference"
-CPU_VECTORS = "tests/test_modules.py::test_vectors_through_the_cpu_path"
-GEMM = "tests/test_modules.py::test_int8_gemm_fallback_matches_reference"
-GEMM_VECTORS = "tests/test_modules.py::test_vectors_through_the_int8_gemm_fallback"
-TRITON = "tests/test_modules.py::test_triton_path_matches_reference"
-TRITON_VECTORS = "tests/test_modules.py::test_vectors_through_the_triton_path"
+
+
+def equivalence(path: str) -> str:
+    """The property: `path` (a backend or a kernel) against the reference."""
+    return f"tests/test_modules.py::test_path_matches_reference[{path}]"
+
+
+def vectors(path: str) -> str:
+    return f"tests/test_modules.py::test_vectors_through_the_layer[{path}]"
+
+
+CPU, CPU_VECTORS = equivalence("vnni-limbs"), vectors("vnni-limbs")  # the C kernel
+GEMM, GEMM_VECTORS = equivalence("int8-gemm"), vectors("int8-gemm")
+TRITON, TRITON_VECTORS = equivalence("triton-group"), vectors("triton-group")
 FOLDED = "tests/test_modules.py::test_triton_folded_path_matches_reference"
-FOLDED_VECTORS = "tests/test_modules.py::test_vectors_through_the_triton_folded_path"
+FOLDED_VECTORS = vectors("triton-folded")
+SPANS, SPANS_VECTORS = equivalence("vnni-spans"), vectors("vnni-spans")
 KERNEL = "exactness.kernels.triton_exact:exact_group_kernel"
 C_KERNEL = "exactness/kernels/cpu_vnni.c"
 BATCH = "tests/test_modules.py::test_batch_and_permutation_invariance"
-SPANS = "tests/test_modules.py::test_span_kernel_matches_reference"
-NON_FINITE = "tests/test_errors.py::test_layer_non_finite_x_counts"
+NON_FINITE = "tests/test_errors.py::test_layer_non_finite_x_counts[triton-group]"
 QUANTIZE_SLICES = "tests/test_modules.py::test_the_quantize_kernel_at_any_slicing_and_tile"
-SPANS_VECTORS = "tests/test_modules.py::test_vectors_through_the_span_kernel"
 SPANS_EDGE = "tests/test_modules.py::test_span_kernel_at_the_int32_edge"
 
 CATALOGUE = (
@@ -356,7 +415,7 @@ CATALOGUE = (
     Mutant("kernel-int32-combine", "exactness.kernels.triton_exact:group_constants",
            "COMBINE_ACC=_INT[dataflow.COMBINE_ACC_BITS]", "COMBINE_ACC=_INT[32]",
            "an int32 accumulator where the contract needs int64",
-           (TRITON, "tests/test_modules.py::test_full_kimi_size_triton_act16")),
+           (TRITON, "tests/test_modules.py::test_full_kimi_sizes[triton-16]")),
     Mutant("cpu-limb-shift-dropped", "exactness.kernels.cpu:accumulate",
            "<< (dataflow.LIMB_BITS * (i + j))", "<< (dataflow.LIMB_BITS * i)",
            "a limb's place value lost when combining int8 GEMMs", (GEMM, GEMM_VECTORS)),
@@ -389,11 +448,11 @@ CATALOGUE = (
            "round on the guard bit alone: every value past half an ulp is treated as a tie",
            (AGREEMENT, "tests/test_formats.py::test_round_array_matches_scalar_near_ties",
             VECTORS), every_killer=True),
-    Mutant("double-rounding-through-fp32", "exactness.modules:_PackedExactLinear.forward",
-           "y = bits_to_tensor(round_scaled_array(t, e, out_format), out_format)",
-           "y = torch.ldexp(t.double(), e.double()).float().to(out_dtype)",
+    Mutant("double-rounding-through-fp32", "exactness.kernels.cpu:_GemmKernel.run",
+           "return bits_to_tensor(round_scaled_array(t, e, out_format), out_format)",
+           "return torch.ldexp(t.double(), e.double()).float().to(x.dtype)",
            "the exact integer rounded to fp32, then to bf16 (Marlin epilogue, OpenVINO)",
-           ("tests/test_modules.py::test_final_rounding_near_ties_through_the_int8_gemm_fallback",
+           ("tests/test_modules.py::test_final_rounding_near_ties[int8-gemm]",
             GEMM_VECTORS)),
     # --- activation quantization
     Mutant("activation-exponent-too-small-clamped", "exactness.kernels.activations:quantize_rows",
@@ -407,9 +466,9 @@ CATALOGUE = (
            "return torch.round(scaled / 2).to(torch.int32), e_r + 1",
            "activation scale exponent one too large: a bit of precision lost",
            (GEMM, GEMM_VECTORS)),
-    Mutant("negative-zero-for-exact-zero", "exactness.modules:_PackedExactLinear.forward",
-           "y = bits_to_tensor(round_scaled_array(t, e, out_format), out_format)",
-           "y = bits_to_tensor(torch.where(t == 0, out_format.sign_bit, "
+    Mutant("negative-zero-for-exact-zero", "exactness.kernels.cpu:_GemmKernel.run",
+           "return bits_to_tensor(round_scaled_array(t, e, out_format), out_format)",
+           "return bits_to_tensor(torch.where(t == 0, out_format.sign_bit, "
            "round_scaled_array(t, e, out_format)), out_format)",
            "-0.0 for an exact zero", (GEMM_VECTORS, GEMM)),
     Mutant("row-scale-from-the-batch", "exactness.kernels.activations:quantize_rows",
@@ -421,7 +480,7 @@ CATALOGUE = (
     Mutant("kernel-rounding-ties-away", "exactness.kernels.triton_exact:rne_shift_right",
            "((rem == half) & ((n & 1) == 1))", "(rem == half)",
            "the Triton epilogue's ties rounded away from zero instead of to even",
-           ("tests/test_modules.py::test_final_rounding_near_ties", TRITON)),
+           ("tests/test_modules.py::test_final_rounding_near_ties[triton-group]", TRITON)),
     Mutant("kernel-activation-exponent-too-small", "exactness.kernels.triton_exact:quantize_kernel",
            "ae + t0 + tl.where(fits, 0, 1)", "ae + t0",
            "the Triton quantization's row exponent one too small where the maximum needs the next",
@@ -437,14 +496,14 @@ CATALOGUE = (
            "the Triton quantization flags rows holding NaN but not rows holding an infinity, "
            "which then goes through as a number", (NON_FINITE,)),
     Mutant("launch-blocks-read-the-first-rows",
-           "exactness.modules:_PackedExactLinear._triton_launches",
-           "triton_exact.quantize(rows, self.act_bits)",
-           "triton_exact.quantize(x2[:len(rows)], self.act_bits)",
+           "exactness.kernels.triton_exact:_TritonKernel.launches",
+           "quantize(rows, weights.act_bits)",
+           "quantize(x[:len(rows)], weights.act_bits)",
            "each block of rows launched to keep offsets in int32 reads the first block's rows "
            "(the block's offset not carried into its launch)",
            ("tests/test_modules.py::test_launches_in_blocks_of_rows_match_reference",)),
     Mutant("launch-blocks-flags-of-the-first",
-           "exactness.modules:_PackedExactLinear._triton_launches",
+           "exactness.kernels.triton_exact:_TritonKernel.launches",
            "(torch.cat(ys), torch.cat(flags))", "(torch.cat(ys), flags[0])",
            "only the first block's non-finite flags read back: a NaN in a later block goes "
            "through as a number",
@@ -492,12 +551,12 @@ CATALOGUE = (
     Mutant("vnni-rounding-ties-up", C_KERNEL, "_mm512_cmpeq_epi64_mask(rem, half) & odd;",
            "_mm512_cmpeq_epi64_mask(rem, half);",
            "the final rounding's ties away from zero instead of to even",
-           ("tests/test_modules.py::test_final_rounding_near_ties", CPU)),
+           ("tests/test_modules.py::test_final_rounding_near_ties[vnni-limbs]", CPU)),
     Mutant("vnni-normal-rounding-ties-down", C_KERNEL,
            "_mm512_add_epi64(_mm512_add_epi64(a, below_half), last_kept)",
            "_mm512_add_epi64(a, below_half)",
            "the final rounding's fast path (normal results) breaks ties toward zero, not to even",
-           ("tests/test_modules.py::test_final_rounding_near_ties", CPU)),
+           ("tests/test_modules.py::test_final_rounding_near_ties[vnni-limbs]", CPU)),
     Mutant("vnni-normal-rounding-past-the-largest-binade", C_KERNEL,
            "_mm512_cmplt_epi64_mask(field, _mm512_set1_epi64(emax - 1))",
            "_mm512_cmplt_epi64_mask(field, _mm512_set1_epi64(emax + 1))",

@@ -17,9 +17,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 WATCHED = ("exactness/kernels", "exactness/dataflow.py", "exactness/formats.py",
-           "exactness/modules.py", "exactness/reference.py", "proofs")
+           "exactness/quantize.py", "exactness/modules.py", "exactness/suite/reference.py",
+           "proofs")
 THOROUGH_STAMP = Path(".ci/thorough-verified")
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .contract import FloatFormat, float_format
-from .formats import unpack_weights
+from ..contract import FloatFormat, float_format
+from ..formats import unpack_weights
 
-VECTORS = Path(__file__).resolve().parent.parent / "tests" / "data" / "contract-v1.json"
+VECTORS = Path(__file__).resolve().parent / "data" / "contract-v1.json"  # package data
 
 
 @dataclass

@@ -1,0 +1,128 @@
+"""The kernel interface, and the plan that picks a kernel for a forward.
+
+A kernel is one way to compute the layer's output bits. It answers four calls:
+- `available(device)`: does it run here at all (the CPU's features, a compiler, Triton)?
+- `eligible(rows, weights)`: does it hold these inputs exactly (widths, shapes)?
+- `prepare(weights)`: the data it derives from the buffers, built once per layer and kept;
+- `run(x, weights, prepared, out_format)`: y [M, N] in `out_format`, x [M, K] 2-D.
+
+The first two return a `Fit`: true or false, and why. A kernel computes every weight row the
+certificate calls fast; the layer splices the other rows in from the `wide` kernel.
+
+`plan` picks the first kernel of the registry (kernels/__init__.py, fastest first) that runs
+here, holds the inputs, and is preferred at this many rows. A forced kernel (`kernel=` or
+`EXACTNESS_KERNEL`) that cannot run raises `KernelUnavailableError`: never a silent substitute.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from ..contract import ContractValueError, FloatFormat
+
+ENV = "EXACTNESS_KERNEL"
+
+
+class KernelUnavailableError(ContractValueError):
+    """A kernel was asked for by name, but it does not run here or does not hold the inputs."""
+
+
+@dataclass(frozen=True)
+class Fit:
+    ok: bool
+    why: str
+
+    def __bool__(self) -> bool:
+        return self.ok
+
+
+def yes(why: str) -> Fit:
+    return Fit(True, why)
+
+
+def no(why: str) -> Fit:
+    return Fit(False, why)
+
+
+@dataclass(frozen=True)
+class Weights:
+    """What a kernel reads besides x: the layer's three buffers, its widths, its certificate."""
+
+    packed: torch.Tensor  # weight_packed [N, K * bits / 32] int32
+    scale: torch.Tensor  # weight_scale [N, K / 32] bf16
+    n: int
+    k: int
+    bits: int
+    act_bits: int
+    certificate: Any  # modules.Certificate
+
+
+class Kernel(Protocol):
+    name: str  # what plan() reports, and what kernel= and EXACTNESS_KERNEL take
+    family: str  # "cpu" or "triton": the backend it serves
+    layout: str  # kernels of one layout share one prepared object per layer (and device)
+    min_rows: int  # the plan prefers it from this many rows on (measured: docs/PERFORMANCE.md)
+    auto: bool  # whether the plan may pick it unasked
+
+    def available(self, device: torch.device) -> Fit: ...
+
+    def eligible(self, rows: int, weights: Weights) -> Fit: ...
+
+    def prepare(self, weights: Weights) -> Any: ...
+
+    def run(self, x: torch.Tensor, weights: Weights, prepared: Any,
+            out_format: FloatFormat) -> torch.Tensor: ...
+
+
+@dataclass(frozen=True)
+class Plan:
+    kernel: Kernel
+    why: str
+    slow_rows: int  # weight rows spliced in from the wide kernel
+    passed_over: tuple[tuple[str, str], ...] = field(default=())  # (kernel, why not)
+
+    def __str__(self) -> str:
+        lines = [f"{self.kernel.name}: {self.why}"]
+        if self.slow_rows:
+            lines.append(f"  + wide for {self.slow_rows} slow weight rows (scale spread)")
+        lines += [f"  not {name}: {why}" for name, why in self.passed_over]
+        return "\n".join(lines)
+
+
+def by_name(kernels, name: str) -> Kernel:
+    for kernel in kernels:
+        if kernel.name == name:
+            return kernel
+    raise ContractValueError(f"no kernel named {name!r}; registered: "
+                             f"{[k.name for k in kernels]}")
+
+
+def plan(kernels, family: str, device: torch.device, rows: int, weights: Weights,
+         forced: str | None = None) -> Plan:
+    """The kernel a forward of `rows` rows on `device` takes, and why (see the module's doc)."""
+    slow = int(weights.certificate.slow_rows.numel())
+    by = "kernel=" if forced else f"{ENV}="
+    forced = forced or os.environ.get(ENV) or None
+    if forced:
+        kernel = by_name(kernels, forced)
+        for fit in (kernel.available(device), kernel.eligible(rows, weights)):
+            if not fit:
+                raise KernelUnavailableError(f"kernel {forced!r} was asked for ({by}), but "
+                                             f"{fit.why}")
+        return Plan(kernel, f"asked for by {by}{forced}", slow)
+    passed = []
+    for kernel in kernels:
+        if not kernel.auto or kernel.family != family:
+            continue
+        fits = (kernel.available(device), kernel.eligible(rows, weights))
+        bad = next((fit for fit in fits if not fit), None)
+        if bad is None and rows < kernel.min_rows:
+            bad = no(f"preferred from {kernel.min_rows} rows on, x has {rows}")
+        if bad is None:
+            return Plan(kernel, "; ".join(fit.why for fit in fits), slow, tuple(passed))
+        passed.append((kernel.name, bad.why))
+    raise KernelUnavailableError(f"no {family} kernel runs here: {passed}")
