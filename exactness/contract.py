@@ -1,4 +1,4 @@
-"""The exact-linear contract (shared/contract.md, v1) as constants, formats and typed errors.
+"""The exact-linear contract (docs/SPEC.md restates it) as constants, formats and typed errors.
 
 Everything else in the package reads its numbers from here: group size, the admissible weight and
 activation widths, the activation range Qa, and the three float formats the contract speaks of.

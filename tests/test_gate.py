@@ -1,4 +1,4 @@
-"""The CI gate's choice of profile (exactness/gate.py), in a repository of its own."""
+"""The CI gate's choice of profile (exactness/suite/gate.py), in a repository of its own."""
 
 import subprocess
 

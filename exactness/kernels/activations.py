@@ -1,7 +1,7 @@
 """Activation quantization for the int8-GEMM fallback, in float64 where that is exact (the VNNI
 and Triton paths quantize inside their own kernels).
 
-Same result as `reference.quantize_activations` (the suite checks it bit for bit), but few passes:
+Same result as `quantize.quantize_activations` (the suite checks it bit for bit), but few passes:
 e_r comes from the integer rule on the [M] row maxima alone; then x * 2**-e_r is exact in float64
 (a power-of-two scaling of a bf16/fp16/fp32 value, |result| <= Qa, far inside float64's
 exponent range both ways) and torch.round is round-half-to-even on it.

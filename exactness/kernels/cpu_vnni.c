@@ -391,7 +391,7 @@ void exact_linear_spans(const int16_t *a, const uint8_t *w, const int16_t *f, co
     }
 }
 
-// reference.quantize_activations' row exponents: e_r = the exponent of amax_r (the largest |x|
+// quantize.quantize_activations' row exponents: e_r = the exponent of amax_r (the largest |x|
 // of the row, found as the largest magnitude bit pattern, which orders like |x|) plus the least t
 // with amax <= Qa * 2**t; 0 for a zero row. x: a format of `mant` stored and `expo` exponent
 // bits, 16 or 32 bits wide. Returns how many rows hold a non-finite value (their e_r is junk).

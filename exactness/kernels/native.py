@@ -4,7 +4,7 @@ compiled kernel passes its exactness self-check; otherwise the int8-GEMM path ru
 
 One forward is one call into C (exact_linear) that runs two passes: the activations quantized (the
 row exponents e_r by the contract's integer rule on the row maxima, as
-reference.quantize_activations computes them) into biased int8 limbs, or into int16 words for the
+quantize.quantize_activations computes them) into biased int8 limbs, or into int16 words for the
 span kernel (16-bit activations, 4-bit weights, from SPAN_MIN_ROWS rows on); then the exact
 accumulation T, rounded once in registers and written straight into the output tensor. The
 passes are also exposed one by one (quantize, accumulate, round_rows) for the self-check and the
@@ -349,7 +349,7 @@ def span_order(qa: torch.Tensor) -> torch.Tensor:
 
 def _self_check(lib) -> Fit:
     """The compiled passes against their Python twins: quantization, limbs and span-order words
-    against reference.quantize_activations and dataflow.activation_limbs, both accumulation
+    against quantize.quantize_activations and dataflow.activation_limbs, both accumulation
     kernels against int64 arithmetic (the worst case, random data, long and one-group spans,
     unshifted blocks), the rounding, fused and as a pass, against formats.round_scaled_array
     (ties, subnormals, overflow), in every format; then the one-call path against those

@@ -158,7 +158,7 @@ if triton is not None:
         MANT: tl.constexpr, EXP: tl.constexpr, QMAX: tl.constexpr, TWO_LIMBS: tl.constexpr,
         LIMB_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
-        """reference.quantize_activations and dataflow.activation_limbs for BLOCK_M rows of x
+        """quantize.quantize_activations and dataflow.activation_limbs for BLOCK_M rows of x
         and their slice of K (program_id 1; slice_k activations, a multiple of BLOCK_K). Every
         slice finds its rows' exponents over all of K itself (no program waits on another: a few
         rows spread over many SMs); the first stores them, and nonfinite[r] = 1 where row r

@@ -2,8 +2,9 @@
 
 A failure found by Hypothesis, refuted by a proof, or met in a user's own input is written as the
 same JSON document (format "exactness-counterexample", version 1): the contract input as bit
-patterns (hex, like shared/vectors), the path that failed, the expected and actual output bits, and
-the library versions. Files are written atomically and replay with `python -m exactness repro`.
+patterns (hex, like the contract vectors in exactness/suite/data), the path that failed, the
+expected and actual output bits, and the library versions. Files are written atomically and
+replay with `python -m exactness repro`.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Two layers:
 - `oracle_linear`: plain Python integers and Fractions, short enough to check line by line
-  against shared/contract.md;
+  against the contract (docs/SPEC.md);
 - `reference_linear`: vectorized numpy int64 for full sizes. Its int64 steps are safe by the bounds
   of `dataflow` (proved in proofs/); rows whose scale-exponent spread breaks them are computed
   with Python integers instead.
