@@ -21,7 +21,7 @@ def pytest_configure(config):
     from exactness.suite.mutants import applied, from_env
 
     mutant = from_env()
-    if mutant is not None and not hasattr(config, "_exactness_mutant"):
+    if mutant is not None:
         config._exactness_mutant = applied(mutant)
         config._exactness_mutant.__enter__()
 

@@ -241,7 +241,16 @@ class _PackedExactLinear(nn.Module):
     def plan(self, x: torch.Tensor) -> Plan:
         """The kernel a forward of x takes, and why (print it to read the reasons)."""
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-        return plan(REGISTRY, self._family(x), x.device, rows, self.weights(), self.kernel)
+        return self._plan(self._family(x), x.device, rows, self.weights())
+
+    def _plan(self, family: str, device: torch.device, rows: int, weights: Weights) -> Plan:
+        # a plan depends on nothing else (the C kernel's and _int_mm's checks are the process's)
+        key = (family, device, rows, self.kernel, os.environ.get(ENV))
+        if key not in self._plans:
+            if len(self._plans) > 64:  # many batch sizes: keep the cache small
+                self._plans.clear()
+            self._plans[key] = plan(REGISTRY, family, device, rows, weights, self.kernel)
+        return self._plans[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Plan, run, splice the slow rows."""
@@ -250,13 +259,7 @@ class _PackedExactLinear(nn.Module):
             return torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype
                                if self.out_dtype is None else self.out_dtype, device=x.device)
         weights = self.weights()
-        # a plan depends on nothing else (the C kernel's and _int_mm's checks are the process's)
-        key = (self._family(x2), x2.device, x2.shape[0], self.kernel, os.environ.get(ENV))
-        chosen = self._plans.get(key)
-        if chosen is None:
-            if len(self._plans) > 64:  # many batch sizes: keep the cache small
-                self._plans.clear()
-            chosen = self._plans[key] = plan(REGISTRY, *key[:3], weights, self.kernel)
+        chosen = self._plan(self._family(x2), x2.device, x2.shape[0], weights)
         y = chosen.kernel.run(x2, weights, self._prepared(chosen.kernel, weights), out_format)
         slow = weights.certificate.slow_rows
         if slow.numel() and chosen.kernel is not WIDE:  # spreads no fast kernel holds

@@ -16,7 +16,7 @@ import torch
 
 from .. import dataflow
 from ..contract import GROUP_SIZE, FloatFormat, float_format
-from ..formats import bits_to_tensor, check_finite, float_bits, round_scaled_array, unpack_weights
+from ..formats import bits_to_tensor, check_finite, float_bits, round_scaled_array
 from .activations import quantize_rows
 from .registry import Fit, Weights, no, yes
 
@@ -98,8 +98,7 @@ class _GemmKernel:
         return yes("any widths")
 
     def prepare(self, weights: Weights) -> FoldedWeights:
-        q = unpack_weights(weights.packed.cpu().numpy(), weights.bits, weights.k)
-        return FoldedWeights(torch.from_numpy(q), weights.certificate.factor.cpu())
+        return FoldedWeights(weights.q(), weights.certificate.factor.cpu())
 
     def run(self, x, weights: Weights, prepared: FoldedWeights, out_format: FloatFormat):
         if not bool(torch.isfinite(x).all()):

@@ -26,7 +26,7 @@ import torch
 
 from .. import dataflow
 from ..contract import GROUP_SIZE, FloatFormat, act_qmax, float_format
-from ..formats import check_finite, float_bits, torch_dtype, unpack_weights
+from ..formats import check_finite, float_bits, torch_dtype
 from ..quantize import quantize_activations
 from .registry import Fit, Weights, no, yes
 
@@ -477,8 +477,7 @@ class _VnniKernel:
         return yes("16-bit activations as int16 words" if self.spans else "any widths")
 
     def prepare(self, weights: Weights) -> NativeWeights:
-        q = unpack_weights(weights.packed.cpu().numpy(), weights.bits, weights.k)
-        return NativeWeights(torch.from_numpy(q), weights.certificate.factor.cpu())
+        return NativeWeights(weights.q(), weights.certificate.factor.cpu())
 
     def run(self, x, weights: Weights, prepared: NativeWeights, out_format: FloatFormat):
         return linear(x, weights.act_bits, prepared, weights.certificate.emin, out_format,

@@ -23,6 +23,7 @@ from typing import Any, Protocol
 import torch
 
 from ..contract import ContractValueError, FloatFormat
+from ..formats import unpack_weights
 
 ENV = "EXACTNESS_KERNEL"
 
@@ -59,6 +60,11 @@ class Weights:
     bits: int
     act_bits: int
     certificate: Any  # modules.Certificate
+
+    def q(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The weights as integers [N, K] (or of `rows` only), unpacked on the CPU."""
+        packed = self.packed.cpu() if rows is None else self.packed.cpu()[rows.cpu()]
+        return torch.from_numpy(unpack_weights(packed.numpy(), self.bits, self.k))
 
 
 class Kernel(Protocol):

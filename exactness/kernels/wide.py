@@ -20,7 +20,6 @@ from ..formats import (
     float_bits,
     round_scaled,
     split_scales,
-    unpack_weights,
 )
 from ..quantize import quantize_activations
 from .registry import Fit, Weights, yes
@@ -38,12 +37,10 @@ class WideRows:
         """(q int8 [N', G, 32], ms and shift as Python-int arrays [N', G], emin [N'])."""
         key = None if rows is None else tuple(rows.tolist())
         if key not in self._rows:
-            w = self.weights
-            packed, scale = w.packed.cpu(), w.scale.cpu()
-            if rows is not None:
-                packed, scale = packed[rows.cpu()], scale[rows.cpu()]
-            q = unpack_weights(packed.numpy(), w.bits, w.k).astype(np.int8)
-            ms, shift, emin, _ = split_scales(float_bits(scale).numpy())
+            scale = self.weights.scale.cpu()
+            q = self.weights.q(rows).numpy().astype(np.int8)
+            ms, shift, emin, _ = split_scales(float_bits(
+                scale if rows is None else scale[rows.cpu()]).numpy())
             self._rows[key] = (q.reshape(q.shape[0], -1, GROUP_SIZE), ms.astype(object),
                                shift.astype(object), emin)
         return self._rows[key]

@@ -42,12 +42,12 @@ def device_of(path: str) -> str | None:
 def available_paths(case: LinearCase | None = None) -> list[str]:
     """The paths that run here; with `case`, only the kernels that hold its inputs."""
     paths = ["oracle", "reference", *(b for b in BACKENDS if device_of(b) is not None)]
+    weights = None if case is None else layer_for(case, "cpu").weights()
     for kernel in REGISTRY:
         device = device_of(kernel.name)
         if device is None or not kernel.available(torch.device(device)):
             continue
-        if case is not None and not kernel.eligible(case.shape[0],
-                                                    layer_for(case, "cpu").weights()):
+        if weights is not None and not kernel.eligible(case.shape[0], weights):
             continue
         paths.append(kernel.name)
     return paths
