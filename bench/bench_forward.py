@@ -3,6 +3,8 @@
 For each Kimi shape and batch M, both are timed in the same process, alternating call by call,
 median of repeats; the table reports the ratio exact / bf16 (<= 1.0: the exact path is no slower).
 The baseline is torch's bf16 matmul on a weight dequantized once, ahead of time, to bf16.
+The check column is the part of each forward that compares the buffers with the layer's copy of
+them, bit for bit (so that a write through any door is seen: docs/PERFORMANCE.md), timed alone.
 Memory: the layer's bytes (checkpoint buffers + derived tensors) against the packed bytes.
 """
 
@@ -66,8 +68,8 @@ def main() -> int:
     torch.manual_seed(0)
     lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
              f"median of {args.repeats}, scales over {args.binades} binades per row", "",
-             "| shape | act_bits | M | exact ms | bf16 ms | ratio exact/bf16 |",
-             "| --- | --- | --- | --- | --- | --- |"]
+             "| shape | act_bits | M | exact ms | bf16 ms | ratio exact/bf16 | check ms | "
+             "check/exact |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     print("\n".join(lines), flush=True)
     memory = []
     for name, (k, n) in SHAPES.items():
@@ -76,9 +78,10 @@ def main() -> int:
             w = dequantized_bf16(layer)
             for m in args.m:
                 x = torch.randn(m, k).bfloat16()
-                exact, bf16 = side_by_side([lambda: layer(x), lambda: x @ w.t()], args.repeats)
+                exact, bf16, check = side_by_side(
+                    [lambda: layer(x), lambda: x @ w.t(), layer.weights], args.repeats)
                 line = (f"| {name} | {act_bits} | {m} | {exact * 1e3:.2f} | {bf16 * 1e3:.2f} | "
-                        f"{exact / bf16:.2f} |")
+                        f"{exact / bf16:.2f} | {check * 1e3:.2f} | {check / exact:.2f} |")
                 lines.append(line)
                 print(line, flush=True)
             packed = layer.weight_packed.numel() * 4 + layer.weight_scale.numel() * 2

@@ -119,6 +119,16 @@ def int_mm_bound(k: int) -> int:
     return k * 128 * 128
 
 
+# The CPU fallback's int8 GEMMs sum at most this many products each: K * 128 * 128 < 2**31
+# (proved: cpu-int-mm), where all of a K >= 2**17 would wrap. A multiple of GROUP_SIZE.
+INT_MM_CHUNK = 2**16
+
+
+def int_mm_chunk(k: int) -> int:
+    """The K of each of the CPU fallback's int8 GEMMs (cpu.accumulate) for a layer of K = k."""
+    return min(k, INT_MM_CHUNK)
+
+
 def folded_weight_max(w_bits: int, spread: int) -> int:
     """The largest |q * ms << shift| with shift <= spread, for scales of either sign:
     |q| <= 2**(w_bits - 1) and |ms| < 2**SCALE_MANT_BITS (q = -8 with a negative scale folds to

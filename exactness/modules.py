@@ -2,14 +2,17 @@
 `ExactLinear` (ordinary weights quantized onto the same exact path, 4 or 8 bits).
 
 Persistent state is exactly the checkpoint's keys: `weight_packed`, `weight_scale`,
-`weight_shape`. Everything derived from them (the certificate, the CPU path's folded limbs) is
-rebuilt whenever they change, and is never saved.
+`weight_shape`. Everything derived from them (the certificate, each kernel's layout) is derived
+from a private copy of the buffers, which each forward compares with the buffers bit for bit: a
+write through any door (`param.data.copy_`, a numpy view, a reassigned attribute) is seen at the
+next forward, never computed past. The derived data is never saved.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -78,6 +81,52 @@ def certify(weight_scale: torch.Tensor, k: int, w_bits: int, act_bits: int) -> C
                        int(torch.where(fast, spread, 0).max()) if spread.numel() else 0)
 
 
+@dataclass
+class Derived:
+    """What a forward reads besides x, derived from one private copy of the buffers (`weights`
+    holds the copies, so no write to the buffers reaches a kernel mid-forward), kept until the
+    buffers or the widths differ from it."""
+
+    weights: Weights
+    widths: tuple  # (bits, act_bits) it was derived for
+    layouts: dict = field(default_factory=dict)  # each kernel layout's prepared data
+    plans: dict = field(default_factory=dict)  # forward's plans by (family, device, rows, ...)
+
+    def holds(self, packed: torch.Tensor, scale: torch.Tensor, widths: tuple) -> bool:
+        return (widths == self.widths and same_bits(packed, self.weights.packed)
+                and same_bits(scale, self.weights.scale))
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether a and b hold the same bits (not values: -0.0 and +0.0 differ, a NaN equals
+    itself), compared as int64 words where the size allows (the fastest compare)."""
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    flat_a, flat_b = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    if flat_a.numel() % 8 == 0:
+        flat_a, flat_b = flat_a.view(torch.int64), flat_b.view(torch.int64)
+    return torch.equal(flat_a, flat_b)
+
+
+def check_buffer(name: str, t, shape: tuple, dtypes: tuple) -> None:
+    """A typed error unless `t` is a tensor a kernel can read as the buffer `name`."""
+    if not isinstance(t, torch.Tensor):
+        raise ContractTypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in dtypes:
+        raise ContractTypeError(f"{name}: dtype {t.dtype}, expected one of {dtypes}")
+    if tuple(t.shape) != shape:
+        raise ShapeError(f"{name}: shape {tuple(t.shape)}, expected {shape}")
+    if t.device.type not in ("cpu", "cuda"):
+        raise ContractValueError(f"{name} is on {t.device}: the kernels read the CPU or a CUDA "
+                                 f"device")
+    if not t.is_contiguous():
+        raise ContractValueError(f"{name} must be contiguous (the kernels read it row by row), "
+                                 f"got strides {t.stride()}")
+
+
+_DERIVING = threading.Lock()  # one derivation at a time: first use from many threads
+
+
 def _default_packed(n: int, k: int, bits: int) -> torch.Tensor:
     return torch.from_numpy(pack_weights(np.zeros((n, k), np.int64), bits))
 
@@ -109,11 +158,7 @@ class _PackedExactLinear(nn.Module):
         self.register_buffer("weight_scale",
                              torch.zeros((n, k // GROUP_SIZE), dtype=torch.bfloat16, device=device))
         self.register_buffer("weight_shape", torch.tensor([n, k], dtype=torch.int64, device=device))
-        self._derived_key = None
-        self._certificate: Certificate | None = None
-        self._weights: Weights | None = None
-        self._plans: dict = {}  # forward's plans by (backend, device, rows, forced kernel)
-        self._layouts: dict = {}  # each path's derived weights, built on first use
+        self._derived: Derived | None = None
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -132,25 +177,34 @@ class _PackedExactLinear(nn.Module):
                               unexpected_keys, error_msgs):
         for name, (shape, dtypes) in self._expected().items():
             key = prefix + name
-            if key not in state_dict:
-                continue  # the base class reports it as missing
-            t = state_dict[key]
-            if t.dtype not in dtypes:
-                raise ContractTypeError(f"{key}: dtype {t.dtype}, expected one of {dtypes}")
-            if tuple(t.shape) != shape:
-                raise ShapeError(f"{key}: shape {tuple(t.shape)}, expected {shape}")
+            if key in state_dict:  # (a missing key the base class reports)
+                check_buffer(key, state_dict[key], shape, dtypes)
         shape_key = prefix + "weight_shape"
         if shape_key in state_dict:
-            got = [int(v) for v in state_dict[shape_key]]
-            if got != [self.out_features, self.in_features]:
-                raise ShapeError(f"{shape_key}: {got}, but the layer is "
-                                 f"[{self.out_features}, {self.in_features}]")
+            self._check_shape(state_dict[shape_key], shape_key)
         scale_key = prefix + "weight_scale"
         if scale_key in state_dict:
             check_finite(float_bits(state_dict[scale_key]), BFLOAT16, scale_key)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
-        self._derived_key = None
+
+    def _check_shape(self, weight_shape: torch.Tensor, name: str) -> None:
+        got = [int(v) for v in weight_shape.tolist()]
+        if got != [self.out_features, self.in_features]:
+            raise ShapeError(f"{name}: {got}, but the layer is "
+                             f"[{self.out_features}, {self.in_features}]")
+
+    def _readable_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weight_packed, weight_scale) as they are now, or a typed error if a kernel could not
+        read them (reassigned with another shape, dtype or device)."""
+        for name, (shape, dtypes) in self._expected().items():
+            check_buffer(name, getattr(self, name), shape, dtypes)
+        packed, scale = self.weight_packed, self.weight_scale
+        if packed.device != scale.device:
+            raise ContractValueError(f"weight_packed is on {packed.device}, weight_scale on "
+                                     f"{scale.device}: a kernel reads both on one device")
+        self._check_shape(self.weight_shape, "weight_shape")
+        return packed, scale
 
     # ----------------------------------------------------------------- derived data
 
@@ -168,46 +222,59 @@ class _PackedExactLinear(nn.Module):
     def __getstate__(self) -> dict:
         # derived data is a cache (the CPU kernels' hold ctypes pointers, which cannot be
         # pickled): a copy or a pickle rebuilds it from the buffers on first use
-        return {**self.__dict__, "_derived_key": None, "_certificate": None, "_weights": None,
-                "_layouts": {}, "_plans": {}}
-
-    def _key(self):
-        return tuple((t.data_ptr(), t._version, t.device) for t in (self.weight_packed,
-                                                                     self.weight_scale))
+        return {**self.__dict__, "_derived": None}
 
     @property
     def certificate(self) -> Certificate:
-        self._derive()
-        return self._certificate
+        return self._derive().weights.certificate
 
-    def _derive(self) -> None:
-        if self._derived_key == self._key():
-            return
-        check_finite(float_bits(self.weight_scale), BFLOAT16, "weight_scale")
-        self._certificate = certify(self.weight_scale, self.in_features, self.bits,
-                                    self.act_bits)
-        self._weights = Weights(self.weight_packed, self.weight_scale, self.out_features,
-                                self.in_features, self.bits, self.act_bits, self._certificate)
-        self._layouts = {}
-        self._plans = {}
-        self._derived_key = self._key()
+    def _derive(self) -> Derived:
+        """The derived data of the buffers as they are now: kept if they hold the same bits as
+        its copies (the cost of a compare of the buffers' bytes), else derived again."""
+        packed, scale = self._readable_buffers()
+        widths = (self.bits, self.act_bits)
+        derived = self._derived
+        if derived is not None and derived.holds(packed, scale, widths):
+            return derived
+        with _DERIVING:
+            derived = self._derived
+            if derived is not None and derived.holds(packed, scale, widths):
+                return derived  # another thread derived it meanwhile
+            check_weight_bits(self.bits)
+            check_act_bits(self.act_bits)
+            check_finite(float_bits(scale), BFLOAT16, "weight_scale")
+            packed, scale = packed.clone(), scale.clone()
+            certificate = certify(scale, self.in_features, self.bits, self.act_bits)
+            self._derived = Derived(Weights(packed, scale, self.out_features, self.in_features,
+                                            self.bits, self.act_bits, certificate), widths)
+            return self._derived
+
+    def process_weights_after_loading(self) -> None:
+        """Derives now what the first forward would (vLLM's hook, called after its weight
+        loaders write the buffers): the certificate, a refusal of a non-finite scale, and the
+        layout of the kernel a forward on the buffers' device takes."""
+        derived = self._derive()
+        device = derived.weights.packed.device
+        family = "triton" if self.backend == "triton" or device.type == "cuda" else "cpu"
+        for rows in (1, 128):  # decode and prefill may take kernels of two layouts
+            chosen = self._plan(family, device, rows, derived)
+            self._prepared(chosen.kernel, derived)
 
     def weights(self) -> Weights:
-        """What a kernel reads besides x: the buffers, the widths, the certificate."""
-        self._derive()
-        return self._weights
+        """What a kernel reads besides x: copies of the buffers, the widths, the certificate."""
+        return self._derive().weights
 
     def prepared(self, kernel: str | Kernel):
         """`kernel`'s derived data for these weights (by name or kernel), built on first use and
         shared by the kernels of one layout."""
         kernel = by_name(REGISTRY, kernel) if isinstance(kernel, str) else kernel
-        weights = self.weights()
-        return self._prepared(kernel, weights)
+        return self._prepared(kernel, self._derive())
 
-    def _prepared(self, kernel: Kernel, weights: Weights):
-        if kernel.layout not in self._layouts:
-            self._layouts[kernel.layout] = kernel.prepare(weights)
-        return self._layouts[kernel.layout]
+    @staticmethod
+    def _prepared(kernel: Kernel, derived: Derived):
+        if kernel.layout not in derived.layouts:
+            derived.layouts[kernel.layout] = kernel.prepare(derived.weights)
+        return derived.layouts[kernel.layout]
 
     def gpu_weights(self, device: torch.device) -> tuple[torch.Tensor, ...]:
         """The Triton kernels' (factor, offset_sums, emin) on `device`, built on first use."""
@@ -215,13 +282,15 @@ class _PackedExactLinear(nn.Module):
                                         device)
 
     def derived_nbytes(self) -> int:
-        """Bytes of derived tensors held now: the certificate, each kernel's derived weights (a
-        tensor the GPU's tuple shares with the certificate, on its device, counted once)."""
-        self._derive()
-        cert = self._certificate
-        tensors = {t.data_ptr(): t for t in (cert.emin, cert.spread, cert.factor, cert.fast)}
+        """Bytes of derived tensors held now: the buffers' copies, the certificate, each kernel's
+        derived weights (a tensor the GPU's tuple shares with the certificate, on its device,
+        counted once)."""
+        derived = self._derive()
+        cert, weights = derived.weights.certificate, derived.weights
+        tensors = {t.data_ptr(): t for t in (weights.packed, weights.scale, cert.emin,
+                                             cert.spread, cert.factor, cert.fast)}
         layouts = 0
-        for layout in self._layouts.values():
+        for layout in derived.layouts.values():
             if isinstance(layout, dict):  # the Triton kernels': a tuple per device
                 tensors.update((t.data_ptr(), t) for per_device in layout.values()
                                for t in per_device)
@@ -241,38 +310,48 @@ class _PackedExactLinear(nn.Module):
     def plan(self, x: torch.Tensor) -> Plan:
         """The kernel a forward of x takes, and why (print it to read the reasons)."""
         rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-        return self._plan(self._family(x), x.device, rows, self.weights())
+        return self._plan(self._family(x), x.device, rows, self._derive())
 
-    def _plan(self, family: str, device: torch.device, rows: int, weights: Weights) -> Plan:
+    def _plan(self, family: str, device: torch.device, rows: int, derived: Derived) -> Plan:
         # a plan depends on nothing else (the C kernel's and _int_mm's checks are the process's)
         key = (family, device, rows, self.kernel, os.environ.get(ENV))
-        if key not in self._plans:
-            if len(self._plans) > 64:  # many batch sizes: keep the cache small
-                self._plans.clear()
-            self._plans[key] = plan(REGISTRY, family, device, rows, weights, self.kernel)
-        return self._plans[key]
+        plans = derived.plans
+        if key not in plans:
+            if len(plans) > 64:  # many batch sizes: keep the cache small
+                plans.clear()
+            plans[key] = plan(REGISTRY, family, device, rows, derived.weights, self.kernel)
+        return plans[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Plan, run, splice the slow rows."""
-        x2, out_format = self._checked(x)
+        """Check the buffers, plan, run, splice the slow rows."""
+        if torch.jit.is_tracing():
+            raise ContractValueError(
+                "the exact layers cannot be traced by torch.jit.trace: their kernels write the "
+                "output where the tracer does not see it, so a trace would replay uninitialised "
+                "memory; call the layer eagerly")
+        derived = self._derive()  # before x: a bad buffer is named even for an empty x
+        x2, out_format = self._checked(x, derived.weights.packed.device)
         if x2.shape[0] == 0:
             return torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype
                                if self.out_dtype is None else self.out_dtype, device=x.device)
-        weights = self.weights()
-        chosen = self._plan(self._family(x2), x2.device, x2.shape[0], weights)
-        y = chosen.kernel.run(x2, weights, self._prepared(chosen.kernel, weights), out_format)
+        weights = derived.weights
+        chosen = self._plan(self._family(x2), x2.device, x2.shape[0], derived)
+        y = chosen.kernel.run(x2, weights, self._prepared(chosen.kernel, derived), out_format)
         slow = weights.certificate.slow_rows
         if slow.numel() and chosen.kernel is not WIDE:  # spreads no fast kernel holds
             y[:, slow.to(x.device)] = linear_rows(x2, weights, slow, out_format,
-                                                  self._prepared(WIDE, weights))
+                                                  self._prepared(WIDE, derived))
         if x.requires_grad and torch.is_grad_enabled():
             y = _NoBackward.apply(x, y)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
-    def _checked(self, x: torch.Tensor) -> tuple[torch.Tensor, FloatFormat]:
-        """x as [M, K] and the output's format, or a typed error."""
+    def _checked(self, x: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, FloatFormat]:
+        """x as [M, K] and the output's format, or a typed error (the buffers are on `device`)."""
         if not isinstance(x, torch.Tensor):
             raise ContractTypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        if x.device != device:
+            raise ContractValueError(f"x is on {x.device}, the layer's buffers on {device}: "
+                                     f"move one (layer.to(x.device))")
         float_format(x.dtype)
         out_format = float_format(self.out_dtype or x.dtype)
         k = self.in_features

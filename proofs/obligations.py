@@ -489,7 +489,8 @@ def for_config(w_bits: int, a_bits: int, k: int, acc_bits: int | None = None,
     obligations.append(combine(w_bits, a_bits, k, acc_bits, spread))
     if dataflow.act_limbs(a_bits) == 2:
         obligations.append(combine_offset(w_bits, a_bits, k, acc_bits, spread))
-    obligations += [cpu_int_mm(k, dot), scale_factor(w_bits, a_bits, k, spread),
+    obligations += [cpu_int_mm(dataflow.int_mm_chunk(k), dot),
+                    scale_factor(w_bits, a_bits, k, spread),
                     cpu_combine(w_bits, a_bits, k, spread)]
     for o in obligations:
         o.w_bits, o.a_bits, o.k = w_bits, a_bits, k

@@ -162,3 +162,15 @@ def test_simulated_dataflow_at_the_real_widths_equals_the_reference(data):
     fast = spread <= dataflow.certified_spread(case.shape[1], case.w_bits, case.act_bits)
     got, want = run(case, "simulated"), run(case, "reference")
     assert (got[:, fast] == want[:, fast]).all()
+
+
+def test_the_int8_gemms_are_sliced_where_all_of_k_would_wrap():
+    """All of K = 2**17 in one int32 sum is refuted; the CPU fallback's slices are proved, and
+    they are what a layer of that K is proved against (issue 20: it wrapped there)."""
+    assert prove(ob.cpu_int_mm(2**17, dataflow.DOT_ACC_BITS), cache={}).verdict == "refuted"
+    assert prove(ob.cpu_int_mm(dataflow.INT_MM_CHUNK, dataflow.DOT_ACC_BITS),
+                 cache={}).verdict == "proved"
+    names = {o.name for o in ob.for_config(4, 16, 2**17)}
+    assert f"cpu-int-mm-k{dataflow.INT_MM_CHUNK}" in names
+    assert dataflow.int_mm_chunk(2**17) == dataflow.INT_MM_CHUNK
+    assert dataflow.int_mm_chunk(7168) == 7168  # Kimi's K in one GEMM

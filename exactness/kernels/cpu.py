@@ -4,8 +4,9 @@ At load, each certified weight row's scales are folded into its integers,
     Wf[n, k] = q[n, k] * ms[n, g] << (es[n, g] - emin[n]),
 and Wf is split into signed int8 digits W_j. With activation limbs A_i (dataflow.activation_limbs)
     T = sum_{i,j} int_mm(A_i, W_j^T) << 8 (i + j)   (+ 128 * sum_k Wf for 16-bit activations),
-exactly: each int_mm sums at most K products of two int8s in int32 (dataflow.int_mm_bound), and
-the combination is int64 within the certified bound.
+exactly: each int_mm sums at most dataflow.int_mm_chunk(K) products of two int8s in int32
+(dataflow.int_mm_bound; a longer K is summed in slices), and the combination is int64 within the
+certified bound.
 """
 
 from __future__ import annotations
@@ -60,11 +61,15 @@ def int_mm_exact(device: str = "cpu") -> bool:
 
 def accumulate(limbs: torch.Tensor, folded: FoldedWeights) -> torch.Tensor:
     """T [M, N] int64 from activation limbs [L, M, K] int8."""
-    m = limbs.shape[1]
+    m, k = limbs.shape[1:]
     t = torch.zeros((m, folded.row_sum.shape[0]), dtype=torch.int64)
+    chunk = dataflow.int_mm_chunk(k)
     for i, a in enumerate(limbs):
         for j, w in enumerate(folded.limbs):
-            t += torch._int_mm(a, w.t()).to(torch.int64) << (dataflow.LIMB_BITS * (i + j))
+            for k0 in range(0, k, chunk):  # each GEMM's int32 sum within int_mm_bound(chunk)
+                z = torch._int_mm(a[:, k0:k0 + chunk].contiguous(),
+                                  w[:, k0:k0 + chunk].contiguous().t())
+                t += z.to(torch.int64) << (dataflow.LIMB_BITS * (i + j))
     if limbs.shape[0] == 2:
         t += dataflow.LIMB_OFFSET * folded.row_sum
     return t

@@ -1,18 +1,20 @@
-"""The `wide` kernel: the contract in Python integers, for any scale spread.
+"""The `wide` kernel: the contract's combine in Python integers, for any scale spread.
 
 The fast kernels' int64 combine holds rows whose scale-exponent spread is within
 dataflow.certified_spread; the certificate sends the other rows (the slow rows) here. Each group
-sum P = sum_k qa * q is an int64 (|P| <= 32 * Qa * 128 < 2**28), and the combine
+sum P = sum_k qa * q is an int32 (|P| <= 32 * Qa * 128 < 2**28), and the combine
 T = sum_g (P * ms) << shift is taken in Python integers, which never overflow; then the one
-rounding (formats.round_scaled). Slow but exact for every input: the layer uses it for slow rows
-only, and `kernel="wide"` runs every row through it.
+rounding (formats.round_scaled). A forward runs in blocks of BLOCK_ROWS rows of x, so its memory
+is bounded whatever the batch, and its time is about that of the slow rows' own outputs. Slow
+per output but exact for every input: the layer uses it for slow rows only, and
+`kernel="wide"` runs every row through it.
 """
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
+from .. import dataflow
 from ..contract import GROUP_SIZE, FloatFormat, float_format
 from ..formats import (
     bits_to_tensor,
@@ -21,8 +23,15 @@ from ..formats import (
     round_scaled,
     split_scales,
 )
-from ..quantize import quantize_activations
+from . import native
+from .activations import quantize_rows
 from .registry import Fit, Weights, yes
+
+# x's rows per block, and a block's most group sums P (rows x weight rows x groups): the memory
+# a forward's slow rows take is bounded by these, whatever the batch (issue 20: a whole batch of
+# 20000 rows took 13.4 GB through one weight row)
+BLOCK_ROWS = 256
+BLOCK_SUMS = 2**22
 
 
 class WideRows:
@@ -34,36 +43,72 @@ class WideRows:
         self._rows: dict = {}
 
     def of(self, rows: torch.Tensor | None) -> tuple:
-        """(q int8 [N', G, 32], ms and shift as Python-int arrays [N', G], emin [N'])."""
+        """(q int8 [N', G, 32], ms and shift int64 [N', G], emin [N'])."""
         key = None if rows is None else tuple(rows.tolist())
         if key not in self._rows:
             scale = self.weights.scale.cpu()
-            q = self.weights.q(rows).numpy().astype(np.int8)
+            q = self.weights.q(rows)
             ms, shift, emin, _ = split_scales(float_bits(
-                scale if rows is None else scale[rows.cpu()]).numpy())
-            self._rows[key] = (q.reshape(q.shape[0], -1, GROUP_SIZE), ms.astype(object),
-                               shift.astype(object), emin)
+                scale if rows is None else scale[rows.cpu()]))
+            self._rows[key] = (q.view(q.shape[0], -1, GROUP_SIZE), ms.to(torch.int64),
+                               shift.to(torch.int64), emin)
         return self._rows[key]
 
     @property
     def nbytes(self) -> int:
-        return sum(q.nbytes + 8 * 3 * ms.size for q, ms, _, _ in self._rows.values())
+        return sum(q.numel() + 8 * 3 * ms.numel() for q, ms, _, _ in self._rows.values())
+
+
+def combine(p: torch.Tensor, ms: torch.Tensor, shift: torch.Tensor) -> list[int]:
+    """T = sum_g (P[:, g] * ms[g]) << shift[g] for one weight row, exactly, as Python ints [M']:
+    the groups of each shift summed in int64 first (|P * ms| < 2**36, so fewer than 2**27 groups
+    never reach 2**63), then one Python-int term per distinct shift."""
+    shifts, where = torch.unique(shift, return_inverse=True)
+    parts = torch.zeros((p.shape[0], shifts.numel()), dtype=torch.int64)
+    parts.index_add_(1, where, p * ms)
+    t = [0] * p.shape[0]
+    for s, part in zip(shifts.tolist(), parts.t().tolist(), strict=True):
+        t = [a + (b << s) for a, b in zip(t, part, strict=True)]
+    return t
+
+
+def quantized(x: torch.Tensor, act_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(qa int32 [M, K], e_r [M]) of x [M, K] on the CPU: by the C kernel's quantization pass
+    where it runs (one pass over x: the slow rows then cost little more than their own outputs),
+    else by quantize_rows. Either raises NonFiniteError for a non-finite x."""
+    lib = native.library()
+    if lib is None:
+        if not bool(torch.isfinite(x).all()):
+            check_finite(float_bits(x), float_format(x.dtype), "x")  # raises: count, index
+        return quantize_rows(x, act_bits)
+    lo, hi, e_r = native.quantize(x, act_bits, lib)  # limbs biased by +128
+    qa = lo.to(torch.int32).sub_(128)
+    if dataflow.act_limbs(act_bits) == 2:  # qa - LIMB_OFFSET = lo + 256 hi (activation_limbs)
+        qa.add_(hi.to(torch.int32).sub_(128) << dataflow.LIMB_BITS).add_(dataflow.LIMB_OFFSET)
+    return qa, e_r
 
 
 def linear_rows(x: torch.Tensor, weights: Weights, rows: torch.Tensor | None,
                 out_format: FloatFormat, prepared: WideRows) -> torch.Tensor:
-    """y [M, len(rows)] for the weight rows `rows` (None: all), in `out_format`, on x's device."""
-    x_format = float_format(x.dtype)
-    x_bits = float_bits(x).cpu().numpy()
-    check_finite(x_bits, x_format, "x")
+    """y [M, len(rows)] for the weight rows `rows` (None: all), in `out_format`, on x's device,
+    computed in blocks of at most BLOCK_ROWS rows of x."""
     q, ms, shift, emin = prepared.of(rows)
-    qa, e_r = quantize_activations(x_bits, x_format, weights.act_bits)
-    # P [M, N, G] in int64, then the combine in Python integers (object arrays)
-    p = np.einsum("ngk,mgk->mng", q.astype(np.int64), qa.reshape(qa.shape[0], -1, GROUP_SIZE))
-    t = ((p.astype(object) * ms) << shift).sum(axis=2)
-    out = np.array([[round_scaled(int(t[r, n]), int(e_r[r] + emin[n]), out_format)
-                     for n in range(t.shape[1])] for r in range(t.shape[0])], dtype=np.int64)
-    return bits_to_tensor(out.reshape(t.shape), out_format).to(x.device)
+    n, groups = q.shape[0], q.shape[1]
+    rows_of_weights = max(1, BLOCK_SUMS // (BLOCK_ROWS * groups))
+    out = torch.empty((x.shape[0], n), dtype=torch.int64)
+    for start in range(0, x.shape[0], BLOCK_ROWS):
+        qa, e_r = quantized(x[start:start + BLOCK_ROWS].cpu(), weights.act_bits)
+        qa = qa.view(qa.shape[0], groups, GROUP_SIZE)
+        for first in range(0, n, rows_of_weights):
+            block = slice(first, first + rows_of_weights)
+            # P [M', N', G]: exact in int32, every partial sum too (|P| <= 32 * Qa * 128 < 2**28)
+            p = torch.einsum("mgk,ngk->mng", qa, q[block].to(torch.int32)).to(torch.int64)
+            for j in range(p.shape[1]):
+                t = combine(p[:, j], ms[first + j], shift[first + j])
+                e = (e_r + emin[first + j]).tolist()
+                out[start:start + len(t), first + j] = torch.tensor(
+                    [round_scaled(v, s, out_format) for v, s in zip(t, e, strict=True)])
+    return bits_to_tensor(out, out_format).to(x.device)
 
 
 class _WideKernel:

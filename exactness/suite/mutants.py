@@ -522,6 +522,19 @@ CATALOGUE = (
            "t += z.to(tl.int64) << (8 * (i + j))", "t += z.to(tl.int64) << (8 * i)",
            "a weight digit's place value lost when combining the limb GEMMs",
            (FOLDED, FOLDED_VECTORS)),
+    # --- the layer as serving stacks drive it (issue 20)
+    Mutant("int-mm-k-not-sliced", "exactness.dataflow:int_mm_chunk",
+           "return min(k, INT_MM_CHUNK)", "return k",
+           "all of K summed in one int32 GEMM: past 2**17 products it wraps (a sign flip)",
+           ("tests/test_reliability.py::"
+            "test_the_int8_gemm_path_is_exact_past_two_to_the_17_products",
+            "tests/test_proofs.py::test_the_int8_gemms_are_sliced_where_all_of_k_would_wrap")),
+    Mutant("weights-compared-by-shape-only", "exactness.modules:same_bits",
+           "return torch.equal(flat_a, flat_b)", "return True",
+           "derived data kept across a write that torch's version counter does not see "
+           "(param.data.copy_, a numpy view): stale weights",
+           ("tests/test_reliability.py::test_weights_written_through_any_door_are_seen_at_the_"
+            "next_forward[through_data_copy-int64-matmul]",)),
     # --- the C kernel (cpu_vnni.c), the CPU path's production code
     Mutant("vnni-high-limb-correction-unscaled", C_KERNEL, "two ? 15 : 7", "7",
            "the bias correction of the high limb not scaled by 256 (per-limb zero points)",

@@ -109,12 +109,11 @@ def outputs(x: torch.Tensor, layer: PackedInt4Linear) -> dict[str, torch.Tensor]
     out = {"bf16 (dequantize, bf16 matmul)": x @ w_bf16.t(),
            "fp32 (dequantize, fp32 matmul)": x.float() @ w_fp32.t()}
     for act_bits in (4, 8, 16):
-        layer.act_bits = act_bits
-        layer._derived_key = None
+        layer.act_bits = act_bits  # (the layer derives its data again for the new width)
         for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
             layer.out_dtype = dtype
             out[f"exact a{act_bits}, {name} out"] = layer(x)
-    layer.act_bits, layer.out_dtype, layer._derived_key = 16, None, None
+    layer.act_bits, layer.out_dtype = 16, None
     return out
 
 
