@@ -15,10 +15,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import functools
 import hashlib
 import os
+import stat
 import subprocess
+import tempfile
+import threading
 import warnings
 from pathlib import Path
 
@@ -92,28 +96,124 @@ def load(source: str, check: bool = True):
 
 def build(source: str) -> tuple[ctypes.CDLL | None, Fit]:
     """`source` compiled with the system compiler (cached by its hash) and loaded, or None and
-    why not."""
+    why not. Never raises: every refusal says why in the Fit.
+
+    The cache promises: a directory of this user alone (cache_dir), temporary files of
+    unpredictable names, one compile at a time (_locked), and a library loaded only when its
+    bytes match the digest recorded when it was built (_verified); a cached library that fails
+    the digest or does not load is rebuilt once, then refused."""
     key = hashlib.sha256((source + " ".join(FLAGS)).encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "exactness"
+    cache, why = cache_dir()
+    if cache is None:
+        return None, why
     so = cache / f"cpu_vnni-{key}.so"
-    if not so.exists():
-        src, tmp = so.with_suffix(f".{os.getpid()}.c"), so.with_suffix(f".{os.getpid()}.tmp")
-        compiler = os.environ.get("CC", "cc")
-        try:  # each process compiles to its own names; the rename is atomic
-            cache.mkdir(parents=True, exist_ok=True)
-            src.write_text(source)
-            subprocess.run([compiler, *FLAGS, str(src), "-o", str(tmp)],
-                           check=True, capture_output=True, timeout=120)
-            os.replace(tmp, so)
-        except subprocess.CalledProcessError as e:
-            return None, no(f"{compiler} failed on cpu_vnni.c: "
-                            f"{e.stderr.decode(errors='replace').strip()[-300:]}")
-        except (OSError, subprocess.SubprocessError) as e:
-            return None, no(f"no C compiler or no writable cache ({compiler}, {cache}): {e}")
+    try:
+        with _locked(so.with_suffix(".lock")):
+            data = _verified(so)
+            if data is not None:
+                lib, why = _load(data, cache)
+                if lib is not None:
+                    return lib, why
+            data, why = _compile(source, so)  # none cached, a mismatch, or it does not load
+            return _load(data, cache) if data is not None else (None, why)
+    except OSError as e:  # the lock file or the private copy: the cache cannot be written
+        return None, no(f"no writable cache ({cache}): {e}")
+
+
+def cache_dir() -> tuple[Path | None, Fit]:
+    """The compiled kernels' directory, $XDG_CACHE_HOME/exactness (or ~/.cache/exactness),
+    created 0700; refused if another user owns it or group or others may write to it (they could
+    plant a library there that this process would run)."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "exactness"
+    try:
+        cache.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+        cache.mkdir(mode=0o700, exist_ok=True)
+        st = cache.stat()
+    except OSError as e:
+        return None, no(f"no writable cache ({cache}): {e}")
+    if st.st_uid != os.getuid():
+        return None, no(f"an unsafe cache: {cache} is owned by uid {st.st_uid}, not this user "
+                        f"(uid {os.getuid()})")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        return None, no(f"an unsafe cache: {cache} is writable by group or others (mode "
+                        f"{stat.S_IMODE(st.st_mode):o}; chmod 700 it)")
+    return cache, yes("a private cache")
+
+
+_BUILDING = threading.Lock()  # flock orders processes; this, the threads of one (and _LOADED)
+
+
+@contextlib.contextmanager
+def _locked(path: Path):
+    """One build of a library at a time: a lock within the process, a file lock (`path`, beside
+    the library, never followed if a link) across processes."""
+    with _BUILDING:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
         finally:
-            with contextlib.suppress(OSError):
-                src.unlink()
-    lib = ctypes.CDLL(str(so))
+            os.close(fd)  # and the file lock with it
+
+
+def _digest_of(so: Path) -> Path:
+    return so.with_name(so.name + ".sha256")
+
+
+def _verified(so: Path) -> bytes | None:
+    """The cached library's bytes if they match the digest recorded when it was built; None if
+    there is none, or no digest, or they differ (a killed compile, a full disk, a foreign file)."""
+    try:
+        data, want = so.read_bytes(), _digest_of(so).read_text().strip()
+    except OSError:
+        return None
+    return data if hashlib.sha256(data).hexdigest() == want else None
+
+
+def _compile(source: str, so: Path) -> tuple[bytes | None, Fit]:
+    """`source` compiled in a fresh private directory (mkdtemp: no name to plant a link at), then
+    renamed to `so` and its digest beside it (renames are atomic; a crash between them leaves a
+    mismatch, so a rebuild); the library's bytes, or None and why."""
+    compiler = os.environ.get("CC", "cc")
+    try:
+        with tempfile.TemporaryDirectory(dir=so.parent) as work:
+            src, out, digest = (Path(work, name) for name in ("cpu_vnni.c", "lib.so", "sha256"))
+            src.write_text(source)
+            subprocess.run([compiler, *FLAGS, str(src), "-o", str(out)],
+                           check=True, capture_output=True, timeout=120)
+            data = out.read_bytes()
+            digest.write_text(hashlib.sha256(data).hexdigest())
+            os.replace(out, so)
+            os.replace(digest, _digest_of(so))
+    except subprocess.CalledProcessError as e:
+        return None, no(f"{compiler} failed on cpu_vnni.c: "
+                        f"{e.stderr.decode(errors='replace').strip()[-300:]}")
+    except (OSError, subprocess.SubprocessError) as e:
+        return None, no(f"no C compiler or no writable cache ({compiler}, {so.parent}): {e}")
+    return data, yes("compiled")
+
+
+_LOADED: dict[str, ctypes.CDLL] = {}  # by the sha256 of the bytes: each library loaded once
+
+
+def _load(data: bytes, cache: Path) -> tuple[ctypes.CDLL | None, Fit]:
+    """The verified bytes `data` loaded, with the entry points' signatures set; None and why if
+    they do not load. They load from a private copy (mkstemp in the cache), so the file loaded
+    is the bytes checked, not whatever is at the cache's name by then; the copy is removed once
+    loaded (the mapping keeps it)."""
+    digest = hashlib.sha256(data).hexdigest()
+    if digest in _LOADED:
+        return _LOADED[digest], yes("compiled")
+    fd, copy = tempfile.mkstemp(suffix=".so", dir=cache)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        lib = ctypes.CDLL(copy)
+    except OSError as e:
+        return None, no(f"the compiled library does not load: {e}")
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(copy)
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     signatures = {
         "exact_linear_vnni": [ptr] * 6 + [i64] * 3 + [i32] * 2 + [ptr] * 3 + [i64] + [i32] * 2,
@@ -123,10 +223,14 @@ def build(source: str) -> tuple[ctypes.CDLL | None, Fit]:
         "round_rows": [ptr, i64, ptr, ptr, i64, i64, i32, i32, ptr],
         "exact_linear": [ptr, ptr, i32, i32, i32, i64, i32, i64, ptr, i32, i32],
     }
-    for name, argtypes in signatures.items():
-        counts = name in ("row_exponents", "exact_linear")
-        getattr(lib, name).restype = ctypes.c_int64 if counts else None
-        getattr(lib, name).argtypes = argtypes
+    try:
+        for name, argtypes in signatures.items():
+            counts = name in ("row_exponents", "exact_linear")
+            getattr(lib, name).restype = ctypes.c_int64 if counts else None
+            getattr(lib, name).argtypes = argtypes
+    except AttributeError as e:
+        return None, no(f"the compiled library lacks an entry point: {e}")
+    _LOADED[digest] = lib
     return lib, yes("compiled")
 
 
