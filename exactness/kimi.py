@@ -5,29 +5,68 @@
   the sigmoid router with `e_score_correction_bias`). Routed experts are `PackedInt4Linear` when
   `config.use_exact_generators` is true; shared experts and the dense MLP stay `nn.Linear`.
 - `KimiCheckpoint`: reads only the tensors asked for from the safetensors shards listed in
-  `model.safetensors.index.json`, after checking the quantization config and each shard's header.
+  `model.safetensors.index.json`, after checking config.json, the index and each shard's header;
+  anything malformed in them is a `KimiCheckpointError` that names the file and the key.
 - `convert_kimi_to_exact`: swaps routed-expert projections for loaded `PackedInt4Linear`s (zero
-  conversion of the int4 weights), all or nothing.
+  conversion of the int4 weights), all or nothing: every read and check comes before the swap.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from .contract import BFLOAT16, DEFAULT_ACT_BITS, ExactnessError
+from .contract import BFLOAT16, DEFAULT_ACT_BITS, ExactnessError, check_act_bits
 from .formats import check_finite, float_bits
 from .modules import ExactLinear, PackedInt4Linear
 
 
 class KimiCheckpointError(ExactnessError, ValueError):
     """A checkpoint that is not what Kimi's native int4 format promises; names file and tensor."""
+
+
+class KimiConversionError(ExactnessError, ValueError):
+    """A model that convert_kimi_to_exact cannot convert faithfully; names the module."""
+
+
+def _short(value) -> str:
+    """repr(value) cut to a short single line, for error messages."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _key(name: str) -> str:
+    """A JSON key for a message: as it is, or quoted where it would break the line."""
+    return name if name.isprintable() else repr(name)
+
+
+def _json_kind(value) -> str:
+    if value is None:
+        return "null or nothing"
+    return {bool: "a bool", int: "a number", float: "a number", str: "a string", list: "a list",
+            dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _object(value, where: str) -> dict:
+    """value, which must be a JSON object."""
+    if not isinstance(value, dict):
+        raise KimiCheckpointError(f"{where}: expected a JSON object, got {_json_kind(value)}")
+    return value
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_bytes())
+    except OSError as e:
+        raise KimiCheckpointError(f"{path}: unreadable ({e})") from e
+    except (ValueError, RecursionError) as e:  # bad UTF-8, bad JSON, nesting too deep
+        raise KimiCheckpointError(f"{path}: not valid JSON ({e})") from e
 
 
 @dataclass
@@ -46,10 +85,42 @@ class KimiConfig:
     exact_act_bits: int = DEFAULT_ACT_BITS
 
     @classmethod
-    def from_json(cls, config: dict) -> KimiConfig:
-        text = config.get("text_config", config)  # K2.5 nests the language model's config
-        known = {k: text[k] for k in cls.__dataclass_fields__ if k in text}
+    def from_json(cls, config: dict, where: str = "config.json") -> KimiConfig:
+        """The fields of a config.json (K2.5: of its text_config) that this class knows, each
+        type-checked; the routed experts' two sizes must be there."""
+        text, at = _object(config, where), ""
+        if "text_config" in config:  # K2.5 nests the language model's config
+            text, at = _object(config["text_config"], f"{where}: text_config"), "text_config."
+        known = {}
+        for name, f in cls.__dataclass_fields__.items():
+            if name not in text:
+                if name in ("hidden_size", "moe_intermediate_size"):
+                    raise KimiCheckpointError(f"{where}: {at}{name}: missing")
+                continue
+            known[name] = _config_value(name, text[name], type(f.default), f"{where}: {at}{name}")
         return cls(**known)
+
+
+def _config_value(name: str, value, kind: type, where: str):
+    """One config.json field, checked against the type of its KimiConfig default."""
+    if kind is bool:
+        ok, what = isinstance(value, bool), "a bool"
+    elif kind is float:
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        ok, what = number and math.isfinite(value), "a finite number"
+    else:
+        ok = isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        what = "an int >= 0"
+    if not ok:
+        raise KimiCheckpointError(f"{where}: expected {what}, got {_short(value)}")
+    if name in ("hidden_size", "moe_intermediate_size") and (value == 0 or value % 32):
+        raise KimiCheckpointError(f"{where}: {value} is not a multiple of 32 (the int4 group)")
+    if name == "exact_act_bits":
+        try:
+            check_act_bits(value)
+        except ExactnessError as e:
+            raise KimiCheckpointError(f"{where}: {e}") from e
+    return value
 
 
 # --------------------------------------------------------------------------- the model
@@ -169,73 +240,198 @@ PACKED_KEYS = ("weight_packed", "weight_scale", "weight_shape")
 MAX_HEADER = 100 * 2**20  # a safetensors header larger than this is refused, not allocated
 EXPECTED_WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                     "group_size": 32}
+# every dtype of the safetensors format, and its bits per element
+DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4,
+              "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32,
+              "U32": 32, "F32": 32, "C64": 64, "I64": 64, "U64": 64, "F64": 64}
+# the dtypes a routed projection's tensors have: the only ones this reader loads
+TORCH_DTYPES = {"I32": torch.int32, "I64": torch.int64, "BF16": torch.bfloat16}
 
 
 def check_quantization_config(config: dict, where: str) -> None:
-    """Refuse anything but int4 symmetric group-32 pack-quantized compressed-tensors."""
-    q = config.get("quantization_config") or config.get("text_config", {}).get(
-        "quantization_config")
+    """Refuse anything but int4 symmetric group-32 pack-quantized compressed-tensors, on the
+    weights only (quantized activations would be silently ignored)."""
+    key, q = "quantization_config", config.get("quantization_config")
+    if not q and isinstance(config.get("text_config"), dict):  # K2.5 nests it
+        key, q = "text_config.quantization_config", config["text_config"].get(
+            "quantization_config")
     if not q:
         raise KimiCheckpointError(f"{where}: no quantization_config (top level or text_config)")
+    _object(q, f"{where}: {key}")
     if q.get("quant_method") != "compressed-tensors":
-        raise KimiCheckpointError(f"{where}: quant_method {q.get('quant_method')!r}, expected "
-                                  f"'compressed-tensors'")
-    groups = q.get("config_groups") or {}
+        raise KimiCheckpointError(f"{where}: {key}.quant_method = {_short(q.get('quant_method'))}"
+                                  f", expected 'compressed-tensors'")
+    groups = q.get("config_groups")
     if not groups:
-        raise KimiCheckpointError(f"{where}: quantization_config has no config_groups")
-    for name, group in groups.items():
+        raise KimiCheckpointError(f"{where}: {key}.config_groups: missing or empty")
+    for name, group in _object(groups, f"{where}: {key}.config_groups").items():
+        at = f"{where}: {key}.config_groups.{_key(name)}"
+        _object(group, at)
         fmt = group.get("format", q.get("format"))
         if fmt != "pack-quantized":
-            raise KimiCheckpointError(f"{where}: config group {name!r} has format {fmt!r}, "
-                                      f"expected 'pack-quantized'")
-        weights = group.get("weights") or {}
-        for key, want in EXPECTED_WEIGHTS.items():
-            if weights.get(key) != want:
-                raise KimiCheckpointError(f"{where}: config group {name!r} has weights.{key} = "
-                                          f"{weights.get(key)!r}, expected {want!r}")
+            raise KimiCheckpointError(f"{at}.format = {_short(fmt)}, expected 'pack-quantized'")
+        weights = _object(group.get("weights"), f"{at}.weights")
+        for k, want in EXPECTED_WEIGHTS.items():
+            got = weights.get(k)
+            if type(got) is not type(want) or got != want:  # 4.0 == 4 and 1 == True, but no
+                raise KimiCheckpointError(f"{at}.weights.{k} = {_short(got)}, expected {want!r}")
+        for k in ("input_activations", "output_activations"):
+            if group.get(k) is not None:
+                raise KimiCheckpointError(f"{at}.{k}: quantized activations are not supported "
+                                          f"(they would be silently ignored), expected null")
+
+
+def _sizes(value) -> bool:
+    return isinstance(value, list) and all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors header; begin and end are offsets in the file."""
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def parse_safetensors_header(raw: bytes, data_start: int, data_size: int,
+                             where: str) -> dict[str, TensorEntry]:
+    """The tensors a safetensors header lists, each checked: a dtype of the format, a shape of
+    sizes, and data offsets inside the `data_size` bytes after the header, as many as the shape
+    needs. `where` (the file) starts every error."""
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise KimiCheckpointError(f"{where}: header: not valid JSON ({e})") from e
+    tensors = {}
+    for name, entry in _object(header, f"{where}: header").items():
+        if name == "__metadata__":
+            continue  # free-form; nothing read here depends on it
+        at = f"{where}: tensor {name!r}"
+        _object(entry, at)
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+            raise KimiCheckpointError(f"{at}: unknown dtype {_short(dtype)}")
+        if not _sizes(shape):
+            raise KimiCheckpointError(f"{at}: shape {_short(shape)} is not a list of sizes")
+        if not _sizes(offsets) or len(offsets) != 2 or offsets[0] > offsets[1]:
+            raise KimiCheckpointError(f"{at}: data_offsets {_short(offsets)} are not "
+                                      f"[begin, end]")
+        if offsets[1] > data_size:
+            raise KimiCheckpointError(f"{at}: data_offsets {offsets} run past the end of the "
+                                      f"file ({data_size} bytes of data)")
+        if math.prod(shape) * DTYPE_BITS[dtype] != 8 * (offsets[1] - offsets[0]):
+            raise KimiCheckpointError(f"{at}: data_offsets hold {offsets[1] - offsets[0]} bytes "
+                                      f"for shape {shape} of {dtype}")
+        tensors[name] = TensorEntry(dtype, tuple(shape), data_start + offsets[0],
+                                    data_start + offsets[1])
+    return tensors
+
+
+@dataclass
+class Shard:
+    path: Path
+    tensors: dict[str, TensorEntry]
 
 
 class KimiCheckpoint:
-    """A checkpoint directory: config.json, model.safetensors.index.json and its shards."""
+    """A checkpoint directory: config.json, model.safetensors.index.json and its shards (or one
+    model.safetensors). The shards are read with plain reads, not mapped: a file that shrinks
+    under the reader is then an error, not a SIGBUS. `close()` closes the open shards."""
 
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)
+        self.bytes_read = 0
+        self._files = {}  # shard path -> its open file
+        self._shards: dict[str, Shard] = {}  # the index's file name -> the shard, header checked
+        self._checked: dict[str, torch.Tensor] = {}  # small tensors read ahead by check_packed
+        try:
+            self._read_config_and_index()
+        except BaseException:
+            self.close()
+            raise
+
+    def _read_config_and_index(self) -> None:
         config_file = self.dir / "config.json"
         if not config_file.is_file():
             raise KimiCheckpointError(f"{config_file}: missing")
-        self.raw_config = json.loads(config_file.read_text())
+        self.raw_config = _object(_read_json(config_file), str(config_file))
         check_quantization_config(self.raw_config, str(config_file))
-        self.config = KimiConfig.from_json(self.raw_config)
-        index = self.dir / "model.safetensors.index.json"
-        if index.is_file():
-            self.weight_map = json.loads(index.read_text())["weight_map"]
+        self.config = KimiConfig.from_json(self.raw_config, str(config_file))
+        self.index_file = self.dir / "model.safetensors.index.json"
+        if self.index_file.is_file():
+            index = _object(_read_json(self.index_file), str(self.index_file))
+            if "weight_map" not in index:
+                raise KimiCheckpointError(f"{self.index_file}: weight_map: missing")
+            self.weight_map = _object(index["weight_map"], f"{self.index_file}: weight_map")
+            for name, file_name in self.weight_map.items():
+                if not isinstance(file_name, str) or not file_name:
+                    raise KimiCheckpointError(f"{self.index_file}: weight_map.{_key(name)}: "
+                                              f"expected a shard file name, got "
+                                              f"{_short(file_name)}")
         elif (self.dir / "model.safetensors").is_file():
-            from safetensors import safe_open
-
-            with safe_open(self._shard("model.safetensors"), framework="pt") as f:
-                self.weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118
+            self.index_file = self.dir / "model.safetensors"
+            self.weight_map = dict.fromkeys(self._shard("model.safetensors").tensors,
+                                            "model.safetensors")
         else:
-            raise KimiCheckpointError(f"{index}: missing (and no single model.safetensors)")
-        self.bytes_read = 0
-        self._open = {}
-        self._checked: dict[str, torch.Tensor] = {}  # small tensors read ahead by check_packed
+            raise KimiCheckpointError(f"{self.index_file}: missing (and no single "
+                                      f"model.safetensors)")
 
-    def _shard(self, file_name: str) -> Path:
-        path = (self.dir / file_name).resolve()
-        if Path(file_name).is_absolute() or self.dir.resolve() not in path.parents:
-            raise KimiCheckpointError(f"shard {file_name!r} in the index escapes {self.dir}")
-        if not path.is_file():
-            raise KimiCheckpointError(f"shard {file_name!r} listed in the index is missing")
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-        if len(head) < 8:
+    def close(self) -> None:
+        for file in self._files.values():
+            file.close()
+        self._files.clear()
+
+    def read_bytes(self, path: Path, offset: int, length: int) -> bytearray:
+        """Up to `length` bytes of `path` from `offset` (fewer where the file ends first): the
+        one place the shards are read."""
+        if path not in self._files:
+            self._files[path] = open(path, "rb")  # kept open until close()
+        file = self._files[path]
+        file.seek(offset)
+        data = bytearray(length)
+        del data[file.readinto(data):]
+        return data
+
+    def _read_exactly(self, path: Path, offset: int, length: int, where: str) -> bytearray:
+        try:
+            data = self.read_bytes(path, offset, length)
+        except OSError as e:
+            raise KimiCheckpointError(f"{where}: read failed ({e})") from e
+        if len(data) != length:
+            raise KimiCheckpointError(f"{where}: truncated: {len(data)} of {length} bytes at "
+                                      f"offset {offset}")
+        return data
+
+    def _shard(self, file_name: str) -> Shard:
+        """The shard the index names `file_name`, its header read and checked once."""
+        if file_name in self._shards:
+            return self._shards[file_name]
+        try:
+            path = (self.dir / file_name).resolve()
+            inside = not Path(file_name).is_absolute() and self.dir.resolve() in path.parents
+            size = path.stat().st_size if inside and path.is_file() else None
+        except (OSError, ValueError) as e:  # a name no file can have (a NUL byte, too long)
+            raise KimiCheckpointError(f"{self.index_file}: shard {_short(file_name)}: not a "
+                                      f"usable file name ({getattr(e, 'strerror', None) or e})"
+                                      ) from e
+        if not inside:
+            raise KimiCheckpointError(f"{self.index_file}: shard {_short(file_name)} escapes "
+                                      f"{self.dir}")
+        if size is None:
+            raise KimiCheckpointError(f"{self.index_file}: shard {_short(file_name)} is missing")
+        if size < 8:
             raise KimiCheckpointError(f"{path}: truncated (no safetensors header)")
-        header_len = struct.unpack("<Q", head)[0]
+        header_len = int.from_bytes(self._read_exactly(path, 0, 8, f"{path}: header length"),
+                                    "little")
         if header_len > MAX_HEADER or header_len > size - 8:
             raise KimiCheckpointError(f"{path}: header claims {header_len} bytes, the file has "
                                       f"{size}: refusing the allocation")
-        return path
+        raw = self._read_exactly(path, 8, header_len, f"{path}: header")
+        tensors = parse_safetensors_header(raw, 8 + header_len, size - 8 - header_len, str(path))
+        self._shards[file_name] = Shard(path, tensors)
+        return self._shards[file_name]
 
     def name_for(self, module_name: str, key: str) -> str:
         """The checkpoint's name for a tensor, with or without the K2.5 prefix."""
@@ -245,38 +441,25 @@ class KimiCheckpoint:
                 return candidate
         raise KimiCheckpointError(f"tensor {name!r} is not in the checkpoint's weight_map")
 
-    def _handle(self, name: str):
-        from safetensors import SafetensorError, safe_open
-
-        file_name = self.weight_map[name]
-        if file_name not in self._open:
-            path = self._shard(file_name)
-            try:
-                self._open[file_name] = safe_open(path, framework="pt")
-            except (SafetensorError, OSError) as e:
-                raise KimiCheckpointError(f"{path}: unreadable shard ({e})") from e
-        return self._open[file_name]
+    def _entry(self, name: str) -> tuple[Shard, TensorEntry]:
+        shard = self._shard(self.weight_map[name])
+        if name not in shard.tensors:
+            raise KimiCheckpointError(f"{shard.path}: tensor {name!r}: not in the shard, though "
+                                      f"{self.index_file.name} lists it there")
+        return shard, shard.tensors[name]
 
     def check_packed(self, layer: PackedInt4Linear, module_name: str) -> None:
         """Everything `load_packed` would refuse, found before anything is loaded: presence,
         dtypes and shapes from the headers; scale finiteness and weight_shape from their (small)
         data. The packed words themselves are not read."""
-        expected = layer._expected()
-        for key, (shape, dtypes) in expected.items():
-            name = self.name_for(module_name, key)
-            where = f"{self.dir / self.weight_map[name]}: {module_name}: {key}"
-            try:
-                piece = self._handle(name).get_slice(name)
-            except Exception as e:  # safetensors raises its own error type for a missing name
-                raise KimiCheckpointError(f"{where}: not in the shard ({e})") from e
-            dtype = getattr(torch, {"I32": "int32", "I64": "int64", "BF16": "bfloat16"}.get(
-                piece.get_dtype(), "uint8"), None)
-            if dtype not in dtypes:
-                raise KimiCheckpointError(f"{where}: dtype {piece.get_dtype()}, expected one of "
+        for key, (shape, dtypes) in layer._expected().items():
+            shard, entry = self._entry(self.name_for(module_name, key))
+            where = f"{shard.path}: {module_name}: {key}"
+            if TORCH_DTYPES.get(entry.dtype) not in dtypes:
+                raise KimiCheckpointError(f"{where}: dtype {entry.dtype}, expected one of "
                                           f"{dtypes}")
-            if tuple(piece.get_shape()) != shape:
-                raise KimiCheckpointError(f"{where}: shape {tuple(piece.get_shape())}, "
-                                          f"expected {shape}")
+            if entry.shape != shape:
+                raise KimiCheckpointError(f"{where}: shape {entry.shape}, expected {shape}")
         scale, shape = (self.read(self.name_for(module_name, k))
                         for k in ("weight_scale", "weight_shape"))
         self._checked.update({self.name_for(module_name, "weight_scale"): scale,
@@ -292,28 +475,33 @@ class KimiCheckpoint:
                                       ) from e
 
     def read(self, name: str) -> torch.Tensor:
-        from safetensors import SafetensorError
-
+        """One tensor, in its stored dtype and shape (I32, I64 or BF16)."""
         if name in self._checked:  # read once, by check_packed
             return self._checked.pop(name)
-        file_name = self.weight_map[name]
-        handle = self._handle(name)
-        try:
-            tensor = handle.get_tensor(name)
-        except (SafetensorError, OSError) as e:
-            raise KimiCheckpointError(f"{self.dir / file_name}: tensor {name!r}: {e}") from e
-        self.bytes_read += tensor.numel() * tensor.element_size()
-        return tensor
+        shard, entry = self._entry(name)
+        where = f"{shard.path}: tensor {name!r}"
+        dtype = TORCH_DTYPES.get(entry.dtype)
+        if dtype is None:
+            raise KimiCheckpointError(f"{where}: dtype {entry.dtype}, not one of a routed "
+                                      f"projection's ({', '.join(TORCH_DTYPES)})")
+        data = self._read_exactly(shard.path, entry.begin, entry.end - entry.begin, where)
+        self.bytes_read += len(data)
+        flat = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
+        return flat.reshape(entry.shape)
+
+    def read_packed(self, layer: PackedInt4Linear, module_name: str) -> dict[str, torch.Tensor]:
+        """One projection's three tensors, on the layer's device, to load into it."""
+        device = layer.weight_packed.device
+        return {k: self.read(self.name_for(module_name, k)).to(device) for k in PACKED_KEYS}
 
     def load_packed(self, layer: PackedInt4Linear, module_name: str) -> None:
         """Load one projection's three tensors; errors name the tensor and the file."""
-        names = {k: self.name_for(module_name, k) for k in PACKED_KEYS}
-        state = {k: self.read(n) for k, n in names.items()}
+        state = self.read_packed(layer, module_name)
         try:
-            layer.load_state_dict(state)
+            layer.load_state_dict(state, assign=True)  # the tensors read: no second copy
         except ExactnessError as e:
-            raise KimiCheckpointError(
-                f"{self.dir / self.weight_map[names['weight_packed']]}: {module_name}: {e}") from e
+            file = self.dir / self.weight_map[self.name_for(module_name, "weight_packed")]
+            raise KimiCheckpointError(f"{file}: {module_name}: {e}") from e
 
     def routed_experts(self) -> dict[tuple[int, int], list[str]]:
         """(layer, expert) -> its projection module names, as the checkpoint lists them."""
@@ -355,19 +543,47 @@ def convert_kimi_to_exact(model: nn.Module, checkpoint_dir: str | Path | None = 
                           dense_bits: int | None = None) -> ConversionReport:
     """Make every routed-expert projection a `PackedInt4Linear` (loaded from the checkpoint when
     one is given); with dense_bits 4 or 8, shared experts and the dense MLP go through
-    `ExactLinear.from_weight`. All replacements are built first and swapped in together, so a
-    failure leaves the model exactly as it was."""
+    `ExactLinear.from_weight`. All or nothing: every tensor is checked and read, and every new
+    module built, before the first change to the model, so a failure (a bad file, a failed
+    read) leaves it exactly as it was."""
     if dense_bits not in (None, 4, 8):
         raise ValueError(f"dense_bits must be None, 4 or 8, got {dense_bits!r}")
     import resource
 
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     checkpoint = KimiCheckpoint(checkpoint_dir) if checkpoint_dir is not None else None
+    try:
+        report, targets, replacements, loaded = _stage(model, checkpoint, act_bits, dense_bits)
+    finally:
+        if checkpoint is not None:
+            checkpoint.close()
+    for name, state in loaded.items():  # the new layers first: they are not in the model yet
+        if name in replacements:
+            targets[name].load_state_dict(state, assign=True)
+    # The swap. check_packed checked these very tensors, so none of these loads can refuse.
+    for name, state in loaded.items():
+        if name not in replacements:
+            targets[name].load_state_dict(state, assign=True)
+    for name, new in replacements.items():
+        _set(model, name, new)
+    report.bytes_read = checkpoint.bytes_read if checkpoint else 0
+    report.peak_rss_growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
+    return report
+
+
+def _stage(model: nn.Module, checkpoint: KimiCheckpoint | None, act_bits: int,
+           dense_bits: int | None):
+    """Everything convert_kimi_to_exact does but change the model: the report; each routed
+    projection's layer-to-be (the model's own when it is a PackedInt4Linear of these act_bits);
+    the new modules to swap in; and each routed projection's tensors, checked and read."""
     report = ConversionReport()
     targets: dict[str, PackedInt4Linear] = {}  # routed projection -> the layer that will hold it
     replacements: dict[str, nn.Module] = {}
     for name, module in model.named_modules():
         if ROUTED.match(name) and isinstance(module, nn.Linear | PackedInt4Linear):
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                raise KimiConversionError(f"{name}: a routed nn.Linear with a bias: Kimi's int4 "
+                                          f"experts have none, and converting would drop it")
             reuse = isinstance(module, PackedInt4Linear) and module.act_bits == act_bits
             targets[name] = module if reuse else PackedInt4Linear(
                 module.in_features, module.out_features, act_bits=act_bits)
@@ -381,14 +597,17 @@ def convert_kimi_to_exact(model: nn.Module, checkpoint_dir: str | Path | None = 
                                                              act_bits=act_bits)
                 report.dense_converted += 1
     report.routed_converted = len(targets)
+    loaded = {}
     if checkpoint is not None:
-        for name, layer in targets.items():  # all checks before the first byte is loaded
+        listed = sum(len(names) for names in checkpoint.routed_experts().values())
+        if listed and not targets:
+            raise KimiConversionError(
+                f"no module of the model is named like a routed expert "
+                f"([language_model.]model.layers.L.mlp.experts.E.gate_proj, ...), but the "
+                f"checkpoint has {listed} of them: nothing would be converted (under a wrapper, "
+                f"convert the module whose names start there)")
+        for name, layer in targets.items():  # all checks before the first packed byte is read
             checkpoint.check_packed(layer, name)
-        for name, layer in targets.items():  # in place: no second copy of the experts
-            checkpoint.load_packed(layer, name)
-            report.routed_loaded += 1
-    for name, new in replacements.items():
-        _set(model, name, new)
-    report.bytes_read = checkpoint.bytes_read if checkpoint else 0
-    report.peak_rss_growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
-    return report
+        loaded = {name: checkpoint.read_packed(layer, name) for name, layer in targets.items()}
+        report.routed_loaded = len(loaded)
+    return report, targets, replacements, loaded

@@ -31,7 +31,9 @@ def compressed_projection(n: int, k: int, generator: torch.Generator) -> dict:
 
 def write_checkpoint(directory: Path, *, hidden: int = 64, inter: int = 32,
                      layers: dict[int, list[int]] | None = None, k25: bool = False,
-                     shards: int = 2, seed: int = 0, dense: bool = True) -> Path:
+                     shards: int = 2, seed: int = 0, dense: bool = True,
+                     single_file: bool = False) -> Path:
+    """single_file: one model.safetensors and no index (the reader lists its header instead)."""
     directory.mkdir(parents=True, exist_ok=True)
     layers = layers or {1: [0, 1, 2, 3]}
     prefix = "language_model." if k25 else ""
@@ -50,14 +52,18 @@ def write_checkpoint(directory: Path, *, hidden: int = 64, inter: int = 32,
                 tensors[f"{prefix}model.layers.{layer}.mlp.shared_experts.{proj}_proj.weight"] = (
                     torch.randn(n, k, generator=g) * 0.02).bfloat16()
     names = sorted(tensors)
+    if single_file:
+        save_file(tensors, str(directory / "model.safetensors"))
+        shards = 0
     weight_map = {}
     for s in range(shards):
         file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
         part = names[s::shards]
         save_file({n: tensors[n] for n in part}, str(directory / file))
         weight_map.update({n: file for n in part})
-    (directory / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    if not single_file:
+        (directory / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {}, "weight_map": weight_map}))
     text = {"hidden_size": hidden, "moe_intermediate_size": inter, "intermediate_size": 2 * hidden,
             "n_routed_experts": max(e for ex in layers.values() for e in ex) + 1,
             "num_experts_per_tok": 2, "num_hidden_layers": max(layers) + 1,
@@ -66,3 +72,15 @@ def write_checkpoint(directory: Path, *, hidden: int = 64, inter: int = 32,
         "model_type": "kimi_k2", **text}
     (directory / "config.json").write_text(json.dumps(config))
     return directory
+
+
+def split_safetensors(data: bytes) -> tuple[dict, bytes]:
+    """A safetensors file's header (parsed) and the bytes after it."""
+    length = int.from_bytes(data[:8], "little")
+    return json.loads(data[8:8 + length]), data[8 + length:]
+
+
+def join_safetensors(header, payload: bytes) -> bytes:
+    """The file with this header (any JSON value) before `payload`, length prefix made right."""
+    raw = json.dumps(header).encode()
+    return len(raw).to_bytes(8, "little") + raw + payload

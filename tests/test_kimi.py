@@ -11,8 +11,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from exactness import PackedInt4Linear
+from exactness.contract import ExactnessError
 from exactness.formats import bits_to_tensor, float_bits, tensor_to_bits
 from exactness.kimi import (
+    KimiCheckpoint,
     KimiCheckpointError,
     KimiConfig,
     KimiK25,
@@ -20,7 +22,7 @@ from exactness.kimi import (
     convert_kimi_to_exact,
 )
 from exactness.suite.reference import reference_linear
-from tests.kimi_checkpoints import write_checkpoint
+from tests.kimi_checkpoints import join_safetensors, split_safetensors, write_checkpoint
 
 SMALL = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=128, n_routed_experts=4,
              num_experts_per_tok=2, num_hidden_layers=2)
@@ -37,9 +39,10 @@ def experts(model):
     return {n: m for n, m in model.named_modules() if isinstance(m, PackedInt4Linear)}
 
 
-@pytest.mark.parametrize("k25", [False, True], ids=["k2-thinking", "k2.5"])
-def test_checkpoint_loads_and_matches_the_reference(tmp_path, k25):
-    ckpt = write_checkpoint(tmp_path / "ckpt", k25=k25, shards=3)
+@pytest.mark.parametrize("k25, single_file", [(False, False), (True, False), (False, True)],
+                         ids=["k2-thinking", "k2.5", "single-file"])
+def test_checkpoint_loads_and_matches_the_reference(tmp_path, k25, single_file):
+    ckpt = write_checkpoint(tmp_path / "ckpt", k25=k25, shards=3, single_file=single_file)
     model = (KimiK25 if k25 else KimiModel)(KimiConfig(**SMALL))
     report = convert_kimi_to_exact(model, ckpt)
     assert report.routed_converted == report.routed_loaded == 12
@@ -189,6 +192,204 @@ def test_bad_files_are_refused_clearly(tmp_path, change, match):
     assert not experts(model)["model.layers.1.mlp.experts.0.gate_proj"].weight_scale.any()
 
 
+def snapshot(model: nn.Module) -> tuple[dict, dict]:
+    """The model's modules (by identity) and a copy of its state_dict."""
+    return (dict(model.named_modules()),
+            {k: v.clone() for k, v in model.state_dict().items()})
+
+
+def assert_unchanged(model: nn.Module, before: tuple[dict, dict]) -> None:
+    modules, state = before
+    assert dict(model.named_modules()) == modules  # the same module objects
+    now = model.state_dict()
+    assert now.keys() == state.keys()
+    for key, value in state.items():
+        assert now[key].dtype == value.dtype and torch.equal(now[key], value), key
+
+
+def fail_after_the_checks(monkeypatch, fault):
+    """Calls fault(checkpoint) once every routed projection of the model has passed its checks,
+    so what fails is a read of the load itself."""
+    check = KimiCheckpoint.check_packed
+    checked = []
+
+    def check_then_fault(self, layer, name):
+        check(self, layer, name)
+        checked.append(name)
+        if len(checked) == 12:  # SMALL's routed projections
+            fault(self)
+
+    monkeypatch.setattr(KimiCheckpoint, "check_packed", check_then_fault)
+
+
+def truncate_the_second_shard(checkpoint):
+    """Cut the second shard just past its header: its tensors' bytes are gone."""
+    file = checkpoint.dir / "model-00002-of-00002.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[:8 + int.from_bytes(data[:8], "little") + 64])
+
+
+@pytest.mark.parametrize("fault", ["truncated-shard", "os-error"])
+def test_a_read_failing_after_the_checks_leaves_the_model_untouched(tmp_path, monkeypatch, fault):
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    model = KimiModel(KimiConfig(**SMALL))  # routed experts already PackedInt4Linear: reused
+    before = snapshot(model)
+    if fault == "truncated-shard":
+        fail_after_the_checks(monkeypatch, truncate_the_second_shard)
+        match = r"model-00002-of-00002.safetensors: .*truncated"
+    else:
+        reads = []
+
+        def failing_read(self, path, offset, length):
+            reads.append(path)
+            if len(reads) == 3:  # two projections staged, then the disk fails
+                raise OSError(5, "Input/output error")
+            return read_bytes(self, path, offset, length)
+
+        read_bytes = KimiCheckpoint.read_bytes
+        fail_after_the_checks(monkeypatch, lambda c: monkeypatch.setattr(
+            KimiCheckpoint, "read_bytes", failing_read))
+        match = r"model-0000\d-of-00002.safetensors: .*Input/output error"
+    with pytest.raises(KimiCheckpointError, match=match):
+        convert_kimi_to_exact(model, ckpt)
+    assert_unchanged(model, before)
+
+
+def set_key(file: Path, path: str | tuple, value):
+    """Set (or, with value DELETE, remove) the key `path` (dotted, or a tuple of keys) of a JSON
+    file."""
+    data = json.loads(file.read_text())
+    *parents, last = path.split(".") if isinstance(path, str) else path
+    node = data
+    for key in parents:
+        node = node[key]
+    if value is DELETE:
+        del node[last]
+    else:
+        node[last] = value
+    file.write_text(json.dumps(data))
+
+
+DELETE = object()
+GROUP = "quantization_config.config_groups.group_0"
+
+
+@pytest.mark.parametrize("file, change, match", [
+    ("config.json", "{", r"config.json: not valid JSON"),
+    ("config.json", "[1, 2]", r"config.json: expected a JSON object, got a list"),
+    ("config.json", ("text_config", 5), r"config.json: text_config: expected a JSON object"),
+    ("config.json", ("quantization_config", "int4"),
+     r"config.json: quantization_config: expected a JSON object"),
+    ("config.json", ("quantization_config.config_groups", ["group_0"]),
+     r"config.json: quantization_config.config_groups: expected a JSON object"),
+    ("config.json", (f"{GROUP}.weights", 5),
+     r"config.json: quantization_config.config_groups.group_0.weights: expected a JSON object"),
+    ("config.json", (f"{GROUP}.weights.num_bits", 4.0),
+     r"config.json: .*group_0.weights.num_bits = 4.0, expected 4"),
+    ("config.json", (f"{GROUP}.weights.symmetric", 1),
+     r"config.json: .*group_0.weights.symmetric = 1, expected True"),
+    ("config.json", ("hidden_size", "64"), r"config.json: hidden_size: expected an int"),
+    ("config.json", ("hidden_size", DELETE), r"config.json: hidden_size: missing"),
+    ("config.json", ("moe_intermediate_size", 48),
+     r"config.json: moe_intermediate_size: 48 is not a multiple of 32"),
+    ("config.json", ("norm_topk_prob", "yes"), r"config.json: norm_topk_prob: expected a bool"),
+    ("model.safetensors.index.json", "not json", r"index.json: not valid JSON"),
+    ("model.safetensors.index.json", ("weight_map", DELETE),
+     r"index.json: weight_map: missing"),
+    ("model.safetensors.index.json", ("weight_map", ["a.safetensors"]),
+     r"index.json: weight_map: expected a JSON object"),
+    ("model.safetensors.index.json", (("weight_map", f"{NAME}.weight_packed"), 5),
+     rf"index.json: weight_map.{NAME}.weight_packed: expected a shard file name"),
+], ids=["config-not-json", "config-a-list", "text-config-not-an-object",
+        "quant-config-a-string", "config-groups-a-list", "weights-a-number", "num-bits-a-float",
+        "symmetric-an-int", "hidden-size-a-string", "hidden-size-missing",
+        "moe-size-not-a-multiple-of-32", "norm-topk-prob-a-string", "index-not-json",
+        "weight-map-missing", "weight-map-a-list", "shard-name-an-int"])
+def test_malformed_json_is_refused_naming_the_file_and_the_key(tmp_path, file, change, match):
+    ckpt = write_checkpoint(tmp_path / "bad")
+    if isinstance(change, str):
+        (ckpt / file).write_text(change)
+    else:
+        set_key(ckpt / file, *change)
+    with pytest.raises(KimiCheckpointError, match=match):
+        KimiCheckpoint(ckpt)
+
+
+def header_length_zero(data: bytes) -> bytes:
+    return bytes(8) + data[8:]
+
+
+def header_not_json(data: bytes) -> bytes:
+    length = int.from_bytes(data[:8], "little")
+    return data[:8] + b"\xff" * length + data[8 + length:]
+
+
+def edit_header(edit):
+    def change(data: bytes) -> bytes:
+        header, payload = split_safetensors(data)
+        edit(header)
+        return join_safetensors(header, payload)
+    return change
+
+
+def first_tensor(header: dict) -> dict:
+    return header[next(k for k in sorted(header) if k != "__metadata__")]
+
+
+@pytest.mark.parametrize("change, match", [
+    (header_length_zero, r"model.safetensors: header: not valid JSON"),
+    (header_not_json, r"model.safetensors: header: not valid JSON"),
+    (edit_header(lambda h: first_tensor(h).update(data_offsets=[0, 10**9])),
+     r"model.safetensors: tensor .*: data_offsets \[0, 1000000000\] run past the end"),
+    (edit_header(lambda h: first_tensor(h).update(dtype="I33")),
+     r"model.safetensors: tensor .*: unknown dtype 'I33'"),
+    (edit_header(lambda h: first_tensor(h).update(shape=[3, "4"])),
+     r"model.safetensors: tensor .*: shape \[3, '4'\] is not a list of sizes"),
+    (edit_header(lambda h: first_tensor(h).update(shape=[1])),
+     r"model.safetensors: tensor .*: data_offsets hold \d+ bytes for shape \[1\] of I32"),
+    (edit_header(lambda h: h.update({"x": []})), r"model.safetensors: tensor 'x': expected"),
+], ids=["length-zero", "not-json", "offsets-past-the-end", "unknown-dtype", "shape-not-ints",
+        "size-not-shape", "entry-not-an-object"])
+def test_malformed_safetensors_headers_are_refused(tmp_path, change, match):
+    ckpt = write_checkpoint(tmp_path / "bad", single_file=True)
+    file = ckpt / "model.safetensors"
+    file.write_bytes(change(file.read_bytes()))
+    with pytest.raises(KimiCheckpointError, match=match):
+        KimiCheckpoint(ckpt)
+
+
+def test_quantized_input_activations_are_refused(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "w4a8")
+    set_key(ckpt / "config.json", f"{GROUP}.input_activations",
+            {"num_bits": 8, "type": "int", "symmetric": True, "strategy": "token",
+             "dynamic": True})
+    with pytest.raises(KimiCheckpointError,
+                       match=r"config.json: .*group_0.input_activations: .*not supported"):
+        KimiCheckpoint(ckpt)
+
+
+def test_a_routed_linear_with_a_bias_is_refused(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    model = KimiModel(KimiConfig(**SMALL, use_exact_generators=False))
+    model.model.layers[1].mlp.experts[2].up_proj = nn.Linear(64, 32, dtype=torch.bfloat16)
+    before = snapshot(model)
+    with pytest.raises(ValueError, match=rf"{NAME}: .*bias") as caught:
+        convert_kimi_to_exact(model, ckpt)
+    assert isinstance(caught.value, ExactnessError)
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("wrap", [lambda m: nn.ModuleDict({"backbone": m}),
+                                  lambda m: m.model.layers[0]], ids=["prefixed", "no-experts"])
+def test_a_model_matching_no_routed_expert_is_refused(tmp_path, wrap):
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    model = wrap(KimiModel(KimiConfig(**SMALL)))
+    with pytest.raises(ValueError, match=r"no module .* routed expert.* the checkpoint has 12"
+                       ) as caught:
+        convert_kimi_to_exact(model, ckpt)
+    assert isinstance(caught.value, ExactnessError)
+
+
 # --------------------------------------------------------------------------- the CLI
 
 
@@ -212,3 +413,37 @@ def test_cli_fails_clearly_on_a_corrupted_checkpoint(tmp_path):
     assert done.returncode == 1 and "FAILED" in done.stdout
     assert f"{NAME}" in done.stdout and ".safetensors" in done.stdout
     assert "non-finite" in done.stdout
+
+
+def assert_one_line_failure(done, *names):
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("FAILED: "), done.stdout
+    for name in names:
+        assert name in lines[0]
+
+
+@pytest.mark.parametrize("file, text, key", [
+    ("config.json", "{", "config.json"),
+    ("model.safetensors.index.json", '{"weight_map": 3}', "weight_map"),
+], ids=["config-not-json", "weight-map-not-an-object"])
+def test_cli_fails_in_one_line_on_malformed_json(tmp_path, file, text, key):
+    ckpt = write_checkpoint(tmp_path / "bad")
+    (ckpt / file).write_text(text)
+    assert_one_line_failure(kimi_cli(ckpt), file, key)
+
+
+def test_cli_fails_in_one_line_on_a_malformed_header(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "bad", single_file=True)
+    (ckpt / "model.safetensors").write_bytes(header_not_json(
+        (ckpt / "model.safetensors").read_bytes()))
+    assert_one_line_failure(kimi_cli(ckpt), "model.safetensors", "header")
+
+
+@pytest.mark.parametrize("tokens", ["0", "-1"])
+def test_cli_refuses_non_positive_tokens(tmp_path, tokens):
+    ckpt = write_checkpoint(tmp_path / "ok")
+    done = kimi_cli(ckpt, "--tokens", tokens)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stdout + done.stderr
+    assert f"--tokens: must be a positive integer, got {tokens}" in done.stderr

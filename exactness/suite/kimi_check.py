@@ -16,32 +16,44 @@ from ..modules import PackedInt4Linear
 from .reference import reference_linear
 
 
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m exactness kimi")
     parser.add_argument("checkpoint_dir")
     parser.add_argument("--layers", type=int, nargs="+")
     parser.add_argument("--experts", type=int, nargs="+")
-    parser.add_argument("--tokens", type=int, default=4, help="sampled tokens per projection")
+    parser.add_argument("--tokens", type=positive_int, default=4,
+                        help="sampled tokens per projection")
     args = parser.parse_args(argv)
-    return check_checkpoint(args.checkpoint_dir, args.layers, args.experts, args.tokens)
+    try:
+        return check_checkpoint(args.checkpoint_dir, args.layers, args.experts, args.tokens)
+    except KimiCheckpointError as e:  # one line, no traceback: the message names file and key
+        print(f"FAILED: {e}")
+        return 1
 
 
 def check_checkpoint(directory: str | Path, layers: list[int] | None = None,
                      experts: list[int] | None = None, tokens: int = 4, seed: int = 0) -> int:
     """`python -m exactness kimi DIR`: every routed-expert tensor's dtype and shape, loaded
     through PackedInt4Linear, certified, and compared bit for bit with the reference on sampled
-    tokens. Prints progress and a summary; returns the exit code."""
+    tokens. Prints progress and a summary; returns the exit code. A checkpoint it cannot open
+    raises KimiCheckpointError."""
     import resource
     import sys
     import time
 
     start = time.perf_counter()
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    try:
-        ckpt = KimiCheckpoint(directory)
-    except KimiCheckpointError as e:
-        print(f"FAILED: {e}")
-        return 1
+    ckpt = KimiCheckpoint(directory)
     cfg = ckpt.config
     shapes = {"gate": (cfg.moe_intermediate_size, cfg.hidden_size),
               "up": (cfg.moe_intermediate_size, cfg.hidden_size),
