@@ -1,11 +1,17 @@
 """A planted kernel bug: verify exits 1 and leaves a counterexample whose replay shows the bits;
-without the bug the same replay exits 0."""
+without the bug the same replay exits 0. A file repro cannot read exits 2, never 0."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+
+from exactness.contract import ExactnessError
+from exactness.suite import counterexamples, repro
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -33,6 +39,164 @@ def test_planted_kernel_bug_is_caught_saved_and_replayed(tmp_path):
     assert doc["expected_bits"] != doc["actual_bits"]
     still = cli("repro", str(files[0]), env=env)
     assert still.returncode == 1 and "DIFFERS" in still.stdout
-    assert "first differing bit" in still.stdout and "row 0, out" in still.stdout
+    assert "first differing bit" in still.stdout and re.search(r"row \d+, out \d+", still.stdout)
     fixed = cli("repro", str(files[0]), env={"TRITON_INTERPRET": "1"})
     assert fixed.returncode == 0 and "fixed" in fixed.stdout, fixed.stdout
+
+
+# --------------------------------------------------------------------------- files repro refuses
+# repro never says "fixed" about a file it could not read: it names the file and where, on one
+# line of stderr, and exits 2 (1 is "still differs", 0 "fixed").
+
+VALID = ROOT / "tests" / "counterexamples" / "final-tie-and-subnormal-tie-bf16.json"  # bf16, w4
+
+
+def document() -> dict:
+    return json.loads(VALID.read_text())
+
+
+def widened(key):  # one more leading hex digit: a pattern one bit (or more) past its key's width
+    def change(doc):
+        doc[key][0][0] = "1" + doc[key][0][0]
+    return change
+
+
+def assigned(key, value):
+    def change(doc):
+        doc[key] = value
+    return change
+
+
+def deleted(key):
+    def change(doc):
+        del doc[key]
+    return change
+
+
+def pattern(key, value, row=0, column=0):
+    def change(doc):
+        doc[key][row][column] = value
+    return change
+
+
+def shorter_row(doc):
+    doc["x_bits"][1].pop()
+
+
+def missing_scale_row(doc):
+    doc["weight_scale_bits"].pop()
+
+
+def other_shape(doc):
+    doc["shape"]["M"] = 4
+
+
+# bf16 x, int32 packed words, bf16 scales, bf16 outputs: 17, 33, 17 and 17 bits
+OUT_OF_WIDTH = ("x_bits", "weight_packed", "weight_scale_bits", "expected_bits")
+
+MALFORMED_DOCUMENTS = {
+    "other-format": assigned("format", "something-else"),
+    "newer-version": assigned("version", 2),
+    "version-0": assigned("version", 0),
+    "version-as-text": assigned("version", "1"),
+    "missing-x_bits": deleted("x_bits"),
+    "missing-source": deleted("source"),
+    "act_bits-as-text": assigned("act_bits", "16"),
+    "act_bits-5": assigned("act_bits", 5),
+    "x_dtype-int4": assigned("x_dtype", "int4"),
+    "unknown-path": assigned("path", "no-such-path"),
+    "ragged-rows": shorter_row,
+    "missing-scale-row": missing_scale_row,
+    "shape-disagrees": other_shape,
+    "junk-hex": pattern("x_bits", "zz"),
+    "negative-hex": pattern("x_bits", "-001"),
+    "prefixed-hex": pattern("x_bits", "0x3f"),
+    "number-not-text": pattern("x_bits", 16256),
+    "non-finite-scale": pattern("weight_scale_bits", "7f80"),
+}
+
+MALFORMED_TEXTS = {
+    "empty": b"",
+    "not-json": b"{not json",
+    "not-utf8": b"\x80\x81{",
+    "a-list": b"[1, 2]",
+    "deeply-nested": b"[" * 100_000 + b"]" * 100_000,
+}
+
+
+def refused(capsys, file) -> str:
+    """Run repro on `file`; assert exit 2, nothing on stdout, one stderr line naming the file."""
+    assert repro.main([str(file)]) == 2
+    out, err = capsys.readouterr()
+    assert "fixed" not in out and "exact" not in out, out
+    assert len(err.strip().splitlines()) == 1 and str(file) in err, err
+    return err
+
+
+@pytest.mark.parametrize("key", OUT_OF_WIDTH)
+def test_out_of_width_pattern_is_refused(key, tmp_path, capsys):
+    doc = document()
+    widened(key)(doc)
+    file = tmp_path / "wide.json"
+    file.write_text(json.dumps(doc))
+    err = refused(capsys, file)
+    assert f"{key} row 0" in err and "bits" in err, err
+
+
+@pytest.mark.parametrize("change", MALFORMED_DOCUMENTS.values(), ids=MALFORMED_DOCUMENTS)
+def test_malformed_document_is_refused(change, tmp_path, capsys):
+    doc = document()
+    change(doc)
+    file = tmp_path / "bad.json"
+    file.write_text(json.dumps(doc))
+    refused(capsys, file)
+
+
+@pytest.mark.parametrize("text", MALFORMED_TEXTS.values(), ids=MALFORMED_TEXTS)
+def test_unreadable_text_is_refused(text, tmp_path, capsys):
+    file = tmp_path / "bad.json"
+    file.write_bytes(text)
+    refused(capsys, file)
+
+
+def test_a_directory_and_a_missing_file_are_refused(tmp_path, capsys):
+    refused(capsys, tmp_path)
+    refused(capsys, tmp_path / "no-such-file.json")
+
+
+def test_the_error_names_the_file_the_key_and_the_row(tmp_path):
+    doc = document()
+    shorter_row(doc)
+    file = tmp_path / "ragged.json"
+    file.write_text(json.dumps(doc))
+    with pytest.raises(counterexamples.CounterexampleFileError, match="x_bits row 1") as error:
+        counterexamples.read(file)
+    assert str(file) in str(error.value)
+    assert isinstance(error.value, ExactnessError) and isinstance(error.value, ValueError)
+
+
+def test_non_finite_bits_are_shown_not_raised(tmp_path, capsys):
+    """Output bits may be inf or NaN (a wrong path, an expected overflow): the diff shows them."""
+    doc = document()
+    doc["expected_bits"][0][:2] = ["ff80", "7fc1"]
+    file = tmp_path / "inf.json"
+    file.write_text(json.dumps(doc))
+    assert repro.main(["--path", "reference", str(file)]) == 0
+    out = capsys.readouterr().out
+    assert "expected bits differ" in out and "0xff80 (-inf)" in out and "0x7fc1 (nan)" in out, out
+
+
+def test_cli_refuses_a_bad_file_in_one_line_and_still_replays_the_others(tmp_path):
+    doc = document()
+    widened("x_bits")(doc)
+    wide = tmp_path / "wide.json"
+    wide.write_text(json.dumps(doc))
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    done = cli("repro", "--path", "reference", str(wide), str(VALID), str(broken))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "Traceback" not in done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 2 and str(wide) in lines[0] and str(broken) in lines[1], done.stderr
+    assert str(wide) not in done.stdout and str(broken) not in done.stdout
+    assert f"{VALID}: user counterexample" in done.stdout and "fixed" in done.stdout

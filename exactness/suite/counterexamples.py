@@ -4,7 +4,8 @@ A failure found by Hypothesis, refuted by a proof, or met in a user's own input 
 same JSON document (format "exactness-counterexample", version 1): the contract input as bit
 patterns (hex, like the contract vectors in exactness/suite/data), the path that failed, the
 expected and actual output bits, and the library versions. Files are written atomically and
-replay with `python -m exactness repro`.
+replay with `python -m exactness repro`; `read` refuses (CounterexampleFileError) any file it
+cannot take exactly as written.
 """
 
 from __future__ import annotations
@@ -13,15 +14,25 @@ import hashlib
 import json
 import os
 import platform
+import re
 import tempfile
 from importlib import metadata
 from pathlib import Path
 
 import numpy as np
 
-from ..contract import float_format
-from ..formats import unpack_weights
-from .cases import LinearCase, _hex
+from ..contract import (
+    BFLOAT16,
+    GROUP_SIZE,
+    ExactnessError,
+    check_act_bits,
+    check_in_features,
+    check_weight_bits,
+    float_format,
+)
+from ..formats import finite_mask, unpack_weights
+from .cases import LinearCase
+from .paths import PATHS
 
 FORMAT = "exactness-counterexample"
 VERSION = 1
@@ -78,23 +89,137 @@ def write(case: LinearCase, *, path: str, expected=None, actual=None, source: st
     return target
 
 
+class CounterexampleFileError(ExactnessError, ValueError):
+    """A file `read` refuses; the message names the file and the key or row at fault."""
+
+
+_HEX = re.compile(r"[0-9a-fA-F]+")  # int(_, 16) alone also takes "0x1f", "-1" and " 1_0"
+_SIMULATED = re.compile(r"simulated(-dot\d{1,3})?(-acc\d{1,3})?")  # paths.run's simulated paths
+_KINDS = {int: "an integer", str: "a string", list: "a list", dict: "an object"}
+
+
 def read(file: Path | str) -> tuple[LinearCase, dict]:
-    """(the case, the whole document); refuses files of another format or a newer version."""
-    doc = json.loads(Path(file).read_text())
-    if doc.get("format") != FORMAT or not isinstance(doc.get("version"), int):
-        raise ValueError(f"{file}: not an {FORMAT} file")
-    if doc["version"] > VERSION:
-        raise ValueError(f"{file}: format version {doc['version']} is newer than {VERSION}")
-    w_bits = doc["w_bits"]
-    packed = _hex(doc["weight_packed"]).astype(np.uint32).view(np.int32)
+    """(the case, the whole document). A file that is not a complete version-1 document, every
+    pattern within its width, raises CounterexampleFileError naming the key or row at fault:
+    nothing is masked or guessed, so a replay is of exactly what the file holds."""
+    doc = _load(file)
+    _field(file, doc, "source", str)  # replay prints source and note
+    _field(file, doc, "note", str, optional=True)
+    path = _field(file, doc, "path", str)
+    if path not in PATHS and not _SIMULATED.fullmatch(path):
+        raise _error(file, "path", f"{_show(path)} is none of {', '.join(PATHS)}, simulated-...")
+    act_bits = _checked(file, "act_bits", check_act_bits, _field(file, doc, "act_bits", int))
+    w_bits = _checked(file, "w_bits", check_weight_bits, _field(file, doc, "w_bits", int))
+    x_format = _checked(file, "x_dtype", float_format, _field(file, doc, "x_dtype", str))
+    out_format = _checked(file, "out_dtype", float_format, _field(file, doc, "out_dtype", str))
+    shape = _field(file, doc, "shape", dict)
+    m, k, n = (_field(file, shape, d, int, where=f"shape.{d}") for d in "MKN")
+    _checked(file, "shape.K", lambda v: check_in_features(v, "K"), k)
+    for d, size in (("M", m), ("N", n)):
+        if size < 1:
+            raise _error(file, f"shape.{d}", f"must be at least 1, got {size}")
+    x_bits = _patterns(file, doc, "x_bits", x_format.width, (m, k))
+    packed = _patterns(file, doc, "weight_packed", 32, (n, k * w_bits // 32))
+    scale_bits = _patterns(file, doc, "weight_scale_bits", BFLOAT16.width, (n, k // GROUP_SIZE))
+    expected = _patterns(file, doc, "expected_bits", out_format.width, (m, n), optional=True)
+    # any shape: check_bits writes a wrong-shaped output as it was
+    _patterns(file, doc, "actual_bits", out_format.width, None, optional=True)
+    # the contract refuses inf and NaN inputs: such a file has no output to replay
+    _finite(file, "x_bits", x_bits, x_format)
+    _finite(file, "weight_scale_bits", scale_bits, BFLOAT16)
+    packed = packed.astype(np.uint32).view(np.int32)
     case = LinearCase(
-        x_bits=_hex(doc["x_bits"]), x_format=float_format(doc["x_dtype"]),
-        q=unpack_weights(packed, w_bits).astype(np.int64), weight_packed=packed,
-        scale_bits=_hex(doc["weight_scale_bits"]), act_bits=doc["act_bits"],
-        out_format=float_format(doc["out_dtype"]), w_bits=w_bits,
-        expected=None if doc.get("expected_bits") is None else _hex(doc["expected_bits"]),
-        name=Path(file).stem)
+        x_bits=x_bits, x_format=x_format, q=unpack_weights(packed, w_bits).astype(np.int64),
+        weight_packed=packed, scale_bits=scale_bits, act_bits=act_bits, out_format=out_format,
+        w_bits=w_bits, expected=expected, name=Path(file).stem)
     return case, doc
+
+
+def _error(file, where: str, problem: str) -> CounterexampleFileError:
+    return CounterexampleFileError(f"{file}: {where}: {problem}")
+
+
+def _show(value) -> str:
+    """A value for a one-line message: its repr, cut short."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _load(file) -> dict:
+    try:
+        doc = json.loads(Path(file).read_bytes())
+    except OSError as e:
+        raise CounterexampleFileError(f"{file}: cannot be read ({e.strerror or e})") from e
+    except (ValueError, RecursionError) as e:  # not JSON, not UTF-8, or nested past the parser
+        raise CounterexampleFileError(f"{file}: not JSON ({e})") from e
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        raise CounterexampleFileError(f"{file}: not an {FORMAT} file")
+    version = doc.get("version")
+    if type(version) is int and version > VERSION:  # type(): true is no version
+        raise _error(file, "version", f"format version {version} is newer than {VERSION}")
+    if type(version) is not int or version != VERSION:
+        raise _error(file, "version", f"must be {VERSION}, got {_show(version)}")
+    return doc
+
+
+def _field(file, doc: dict, key: str, kind: type, *, where: str | None = None,
+           optional: bool = False):
+    """doc[key], of type `kind` (bool is no int here); optional: None where absent or null."""
+    value = doc.get(key)
+    if value is None and optional:
+        return None
+    if key not in doc:
+        raise _error(file, where or key, "missing")
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise _error(file, where or key, f"must be {_KINDS[kind]}, got {_show(value)}")
+    return value
+
+
+def _checked(file, key: str, check, value):
+    """check(value), its contract error re-raised as one naming the file and the key."""
+    try:
+        return check(value)
+    except ExactnessError as e:
+        raise _error(file, key, str(e)) from e
+
+
+def _patterns(file, doc: dict, key: str, width: int, shape: tuple[int, int] | None, *,
+              optional: bool = False) -> np.ndarray | None:
+    """doc[key]: rows of hex patterns, each below 2**width, as int64 [rows, columns]; `shape`
+    None accepts any non-empty rectangle."""
+    rows = _field(file, doc, key, list, optional=optional)
+    if rows is None:
+        return None
+    if shape is None:
+        shape = (len(rows), len(rows[0]) if rows and isinstance(rows[0], list) else 0)
+        if 0 in shape:
+            raise _error(file, key, "must be a non-empty list of rows of patterns")
+    if len(rows) != shape[0]:
+        raise _error(file, key, f"has {len(rows)} rows, expected {shape[0]}")
+    out = np.empty(shape, dtype=np.int64)
+    for r, row in enumerate(rows):
+        if not isinstance(row, list):
+            raise _error(file, f"{key} row {r}", f"must be a list of patterns, got {_show(row)}")
+        if len(row) != shape[1]:
+            raise _error(file, f"{key} row {r}", f"has {len(row)} patterns, expected {shape[1]}")
+        for c, text in enumerate(row):
+            if not isinstance(text, str) or not _HEX.fullmatch(text):
+                raise _error(file, f"{key} row {r}, column {c}",
+                             f"{_show(text)} is not a hex pattern")
+            value = int(text, 16)
+            if value >> width:  # masking it would replay another input and could say "fixed"
+                raise _error(file, f"{key} row {r}, column {c}",
+                             f"{_show(text)} is wider than {width} bits")
+            out[r, c] = value
+    return out
+
+
+def _finite(file, key: str, bits: np.ndarray, fmt) -> None:
+    bad = np.argwhere(~finite_mask(bits, fmt))
+    if len(bad):
+        r, c = (int(i) for i in bad[0])
+        raise _error(file, f"{key} row {r}, column {c}",
+                     f"{int(bits[r, c]):x} is not finite, and the contract admits no inf or NaN")
 
 
 def _count(outputs: int) -> None:

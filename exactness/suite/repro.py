@@ -3,7 +3,8 @@
 Prints, per path, whether its bits equal the reference's and, where they do not, a readable diff:
 the row and output, both values exactly, the first (most significant) differing bit and what it
 is, and the group whose term dominates that output. Exit 1 while any replayed path still differs
-(the file's own path included), 0 once all agree.
+(the file's own path included), 0 once all agree, and 2 for a file it cannot read (one line on
+stderr names the file and the key or row at fault): such a file is never replayed, so never "fixed".
 """
 
 from __future__ import annotations
@@ -15,18 +16,23 @@ from fractions import Fraction
 import numpy as np
 
 from ..contract import BFLOAT16, GROUP_SIZE, FloatFormat
-from ..formats import decode
+from ..formats import decode, is_finite
 from .cases import LinearCase
-from .counterexamples import _count, read
+from .counterexamples import CounterexampleFileError, _count, read
 from .paths import available_paths, run
 from .reference import quantize_activations
 
 
 def describe_bits(bits: int, fmt: FloatFormat) -> str:
-    m, e = decode(int(bits), fmt)
+    bits = int(bits)
+    if not is_finite(bits, fmt):  # a wrong path, or a file's expected bits, may hold inf or NaN
+        name = "-inf" if bits & fmt.sign_bit else "inf"
+        name = name if (bits & fmt.abs_mask) == fmt.inf_bits else "nan"
+        return f"{bits:#0{fmt.width // 4 + 2}x} ({name})"
+    m, e = decode(bits, fmt)
     value = Fraction(m) * Fraction(2) ** e
-    return f"{int(bits):#0{fmt.width // 4 + 2}x} ({float(value)!r})" if abs(m) < 2**60 else \
-        f"{int(bits):#x}"
+    return f"{bits:#0{fmt.width // 4 + 2}x} ({float(value)!r})" if abs(m) < 2**60 else \
+        f"{bits:#x}"
 
 
 def bit_name(position: int, fmt: FloatFormat) -> str:
@@ -61,7 +67,9 @@ def diff(case: LinearCase, got: np.ndarray, want: np.ndarray, limit: int = 5) ->
     return lines
 
 
-def replay(file: str, paths: list[str] | None = None, out=sys.stdout) -> int:
+def replay(file: str, paths: list[str] | None = None, out=None) -> int:
+    """Exit status 1 or 0 (see above); CounterexampleFileError for a file it cannot read."""
+    out = sys.stdout if out is None else out  # looked up now: a later redirect applies
     case, doc = read(file)
     m, k, n = case.shape
     print(f"{file}: {doc['source']} counterexample for path {doc['path']!r}, M={m} K={k} N={n}, "
@@ -95,4 +103,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("files", nargs="+")
     parser.add_argument("--path", action="append", help="replay only these paths")
     args = parser.parse_args(argv)
-    return max(replay(f, args.path) for f in args.files)
+    codes = []
+    for file in args.files:
+        try:
+            codes.append(replay(file, args.path))
+        except CounterexampleFileError as error:  # 2: neither "fixed" (0) nor "still differs" (1)
+            print(f"repro: {error}", file=sys.stderr)
+            codes.append(2)
+    return max(codes)
