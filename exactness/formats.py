@@ -55,6 +55,13 @@ def pack_weights(q: np.ndarray, bits: int) -> np.ndarray:
     return words.astype(np.uint32).view(np.int32)
 
 
+def zero_word(bits: int) -> int:
+    """The int32 word that packs 32 / bits zero weights (pack_weights of zeros), signed."""
+    check_weight_bits(bits)
+    word = sum(2 ** (bits - 1) << (bits * i) for i in range(32 // bits))
+    return word - 2**32 if word >= 2**31 else word
+
+
 def unpack_weights(packed: np.ndarray, bits: int, k: int | None = None) -> np.ndarray:
     """Inverse of `pack_weights`: int32 words `[N, W]` -> int8 `[N, k]` (k defaults to W*per)."""
     check_weight_bits(bits)

@@ -14,7 +14,6 @@ import os
 import threading
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 from torch import nn
 
@@ -38,6 +37,7 @@ from .formats import (
     float_bits,
     pack_weights,
     split_scales,
+    zero_word,
 )
 from .kernels import REGISTRY, Kernel, Plan, Weights, plan, triton_exact
 from .kernels.registry import ENV, by_name
@@ -127,10 +127,6 @@ def check_buffer(name: str, t, shape: tuple, dtypes: tuple) -> None:
 _DERIVING = threading.Lock()  # one derivation at a time: first use from many threads
 
 
-def _default_packed(n: int, k: int, bits: int) -> torch.Tensor:
-    return torch.from_numpy(pack_weights(np.zeros((n, k), np.int64), bits))
-
-
 class _PackedExactLinear(nn.Module):
     """y = RNE(2**e_r * sum_g s[n,g] * sum_k qa[r,k] * q[n,k]) (docs/SPEC.md), bit for bit."""
 
@@ -138,27 +134,30 @@ class _PackedExactLinear(nn.Module):
                  *, bits: int = 4, out_dtype: torch.dtype | None = None,
                  backend: str = "auto", kernel: str | None = None, device=None):
         super().__init__()
-        self.in_features = check_in_features(in_features)
+        check_in_features(in_features)
         if isinstance(out_features, bool) or not isinstance(out_features, int) or out_features <= 0:
             raise ShapeError(f"out_features must be a positive integer, got {out_features!r}")
-        self.out_features = out_features
-        self.act_bits = check_act_bits(act_bits)
-        self.bits = check_weight_bits(bits)
-        self.out_dtype = out_dtype
+        check_act_bits(act_bits)
+        check_weight_bits(bits)
         if out_dtype is not None:
             float_format(out_dtype)
         if backend not in BACKENDS:
             raise ContractValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        self.backend = backend
         if kernel is not None:
             by_name(REGISTRY, kernel)  # a typed error now, for a name no kernel has
-        self.kernel = kernel  # None: the plan picks (or EXACTNESS_KERNEL names one)
+        # plain attributes in one step: nn.Module's __setattr__ costs a few us each, and a Kimi
+        # K2 builds 69,120 of these layers (bench/bench_construction.py)
+        self.__dict__.update(in_features=in_features, out_features=out_features,
+                             act_bits=act_bits, bits=bits, out_dtype=out_dtype, backend=backend,
+                             kernel=kernel,  # None: the plan picks (or EXACTNESS_KERNEL)
+                             _derived=None)
         n, k = out_features, in_features
-        self.register_buffer("weight_packed", _default_packed(n, k, bits).to(device))
+        # zero weights until a checkpoint loads: one fill, nothing on device="meta"
+        self.register_buffer("weight_packed", torch.full(
+            (n, k * bits // 32), zero_word(bits), dtype=torch.int32, device=device))
         self.register_buffer("weight_scale",
                              torch.zeros((n, k // GROUP_SIZE), dtype=torch.bfloat16, device=device))
         self.register_buffer("weight_shape", torch.tensor([n, k], dtype=torch.int64, device=device))
-        self._derived: Derived | None = None
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "

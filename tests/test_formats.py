@@ -22,6 +22,7 @@ from exactness.formats import (
     round_scaled_array,
     tensor_to_bits,
     unpack_weights,
+    zero_word,
 )
 from exactness.suite.strategies import int_weights, scaled_integers, seeds
 
@@ -161,3 +162,9 @@ def test_torch_int64_to_bf16_rounds_twice():
     m = 2**24 + 2**16 + 1  # just above a bf16 tie: correct rounding goes up
     assert round_scaled(m, 0, BFLOAT16) == 0x4B81  # 2**24 + 2**17
     assert tensor_to_bits(torch.tensor([m]).to(torch.bfloat16))[0] == 0x4B80  # torch: 2**24
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_zero_word_packs_zero_weights(bits):
+    assert zero_word(bits) == int(pack_weights(np.zeros((1, 32 // bits), np.int64), bits)[0, 0])
+    assert (unpack_weights(np.full((1, 1), zero_word(bits), np.int32), bits) == 0).all()
