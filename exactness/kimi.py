@@ -232,10 +232,11 @@ class KimiK25(nn.Module):
 
 # --------------------------------------------------------------------------- checkpoints
 
-ROUTED = re.compile(r"^(?:language_model\.)?model\.layers\.(\d+)\.mlp\.experts\.(\d+)\."
-                    r"(gate|up|down)_proj$")
-SHARED_OR_DENSE = re.compile(r"^(?:language_model\.)?model\.layers\.(\d+)\.mlp\."
-                             r"(?:shared_experts\.)?(gate|up|down)_proj$")
+# K2's names, K2.5's checkpoint (language_model.model.layers) and its transformers model
+# (model.language_model.layers)
+LAYERS = r"^(?:language_model\.)?model\.(?:language_model\.)?layers\.(\d+)\.mlp\."
+ROUTED = re.compile(LAYERS + r"experts\.(\d+)\.(gate|up|down)_proj$")
+SHARED_OR_DENSE = re.compile(LAYERS + r"(?:shared_experts\.)?(gate|up|down)_proj$")
 PACKED_KEYS = ("weight_packed", "weight_scale", "weight_shape")
 MAX_HEADER = 100 * 2**20  # a safetensors header larger than this is refused, not allocated
 EXPECTED_WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
@@ -244,8 +245,9 @@ EXPECTED_WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy":
 DTYPE_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E8M0": 8, "F4": 4,
               "F6_E2M3": 6, "F6_E3M2": 6, "I16": 16, "U16": 16, "F16": 16, "BF16": 16, "I32": 32,
               "U32": 32, "F32": 32, "C64": 64, "I64": 64, "U64": 64, "F64": 64}
-# the dtypes a routed projection's tensors have: the only ones this reader loads
-TORCH_DTYPES = {"I32": torch.int32, "I64": torch.int64, "BF16": torch.bfloat16}
+# the dtypes this reader loads: a routed projection's (I32, I64, BF16) and the rest of a model's
+TORCH_DTYPES = {"I32": torch.int32, "I64": torch.int64, "BF16": torch.bfloat16,
+                "F16": torch.float16, "F32": torch.float32}
 
 
 def check_quantization_config(config: dict, where: str) -> None:
@@ -434,8 +436,11 @@ class KimiCheckpoint:
         return self._shards[file_name]
 
     def name_for(self, module_name: str, key: str) -> str:
-        """The checkpoint's name for a tensor, with or without the K2.5 prefix."""
+        """The checkpoint's name for a tensor, with or without the K2.5 prefix (and from
+        transformers' K2.5 naming, model.language_model.*)."""
         name = f"{module_name}.{key}"
+        if name.startswith("model.language_model."):
+            name = "language_model.model." + name.removeprefix("model.language_model.")
         for candidate in (name, name.removeprefix("language_model."), f"language_model.{name}"):
             if candidate in self.weight_map:
                 return candidate
@@ -475,23 +480,25 @@ class KimiCheckpoint:
                                       ) from e
 
     def read(self, name: str) -> torch.Tensor:
-        """One tensor, in its stored dtype and shape (I32, I64 or BF16)."""
+        """One tensor, in its stored dtype and shape (one of TORCH_DTYPES)."""
         if name in self._checked:  # read once, by check_packed
             return self._checked.pop(name)
         shard, entry = self._entry(name)
         where = f"{shard.path}: tensor {name!r}"
         dtype = TORCH_DTYPES.get(entry.dtype)
         if dtype is None:
-            raise KimiCheckpointError(f"{where}: dtype {entry.dtype}, not one of a routed "
-                                      f"projection's ({', '.join(TORCH_DTYPES)})")
+            raise KimiCheckpointError(f"{where}: dtype {entry.dtype}, not one this reader "
+                                      f"loads ({', '.join(TORCH_DTYPES)})")
         data = self._read_exactly(shard.path, entry.begin, entry.end - entry.begin, where)
         self.bytes_read += len(data)
         flat = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
         return flat.reshape(entry.shape)
 
     def read_packed(self, layer: PackedInt4Linear, module_name: str) -> dict[str, torch.Tensor]:
-        """One projection's three tensors, on the layer's device, to load into it."""
+        """One projection's three tensors, on the layer's device (a layer built on meta, to be
+        assigned these very tensors: the CPU), to load into it."""
         device = layer.weight_packed.device
+        device = torch.device("cpu") if device.type == "meta" else device
         return {k: self.read(self.name_for(module_name, k)).to(device) for k in PACKED_KEYS}
 
     def load_packed(self, layer: PackedInt4Linear, module_name: str) -> None:
@@ -513,6 +520,62 @@ class KimiCheckpoint:
                     found.setdefault((int(m[1]), int(m[2])), []).append(
                         name.removesuffix(".weight_packed"))
         return found
+
+
+class ExactExpert(nn.Module):
+    def __init__(self, hidden: int, inter: int, act_bits: int, device=None):
+        super().__init__()
+        self.gate_proj = PackedInt4Linear(hidden, inter, act_bits, device=device)
+        self.up_proj = PackedInt4Linear(hidden, inter, act_bits, device=device)
+        self.down_proj = PackedInt4Linear(inter, hidden, act_bits, device=device)
+
+
+class ExactExperts(nn.Module):
+    """transformers' fused DeepseekV3Experts (exactness.hf), exact, with the same call. Expert
+    E's projections are `E.gate_proj`, `E.up_proj` and `E.down_proj`: the checkpoint's own
+    names (`...mlp.experts.E.gate_proj.weight_packed`)."""
+
+    def __init__(self, num_experts: int, hidden: int, inter: int, act_fn,
+                 act_bits: int = DEFAULT_ACT_BITS, device=None):
+        super().__init__()
+        for e in range(num_experts):
+            self.add_module(str(e), ExactExpert(hidden, inter, act_bits, device))
+        self.num_experts, self.act_fn = num_experts, act_fn
+
+    def __getitem__(self, e: int) -> ExactExpert:
+        return getattr(self, str(e))
+
+    def __len__(self) -> int:
+        return self.num_experts
+
+    def __iter__(self):
+        return (self[e] for e in range(self.num_experts))
+
+    @classmethod
+    def like(cls, fused: nn.Module, act_bits: int = DEFAULT_ACT_BITS,
+             device=None) -> ExactExperts:
+        """The exact experts for transformers' fused module `fused` (its sizes, its act_fn)."""
+        return cls(fused.num_experts, fused.hidden_dim, fused.intermediate_dim, fused.act_fn,
+                   act_bits, device)
+
+    def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for e in torch.unique(top_k_index).tolist():
+            if not 0 <= e < self.num_experts:  # transformers' padding index for no expert
+                continue
+            token, slot = torch.where(top_k_index == e)
+            x, expert = hidden_states[token], self[e]
+            y = expert.down_proj(self.act_fn(expert.gate_proj(x)) * expert.up_proj(x))
+            out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
+        return out
+
+
+def is_fused_experts(module: nn.Module) -> bool:
+    """Whether `module` is transformers' fused routed experts (DeepseekV3Experts' shape)."""
+    return (isinstance(getattr(module, "gate_up_proj", None), torch.Tensor)
+            and isinstance(getattr(module, "down_proj", None), torch.Tensor)
+            and module.gate_up_proj.dim() == 3 and hasattr(module, "num_experts"))
 
 
 # --------------------------------------------------------------------------- the converter
@@ -542,7 +605,8 @@ def convert_kimi_to_exact(model: nn.Module, checkpoint_dir: str | Path | None = 
                           act_bits: int = DEFAULT_ACT_BITS,
                           dense_bits: int | None = None) -> ConversionReport:
     """Make every routed-expert projection a `PackedInt4Linear` (loaded from the checkpoint when
-    one is given); with dense_bits 4 or 8, shared experts and the dense MLP go through
+    one is given), transformers' fused experts (DeepseekV3Experts) an `ExactExperts`; with
+    dense_bits 4 or 8, shared experts and the dense MLP go through
     `ExactLinear.from_weight`. All or nothing: every tensor is checked and read, and every new
     module built, before the first change to the model, so a failure (a bad file, a failed
     read) leaves it exactly as it was."""
@@ -579,6 +643,13 @@ def _stage(model: nn.Module, checkpoint: KimiCheckpoint | None, act_bits: int,
     report = ConversionReport()
     targets: dict[str, PackedInt4Linear] = {}  # routed projection -> the layer that will hold it
     replacements: dict[str, nn.Module] = {}
+    fused = [(name, m) for name, m in model.named_modules() if is_fused_experts(m)]
+    for name, module in fused:  # transformers' experts: one exact module, 3 layers an expert
+        device = "meta" if checkpoint is not None else module.gate_up_proj.device  # (assigned)
+        replacements[name] = experts = ExactExperts.like(module, act_bits, device)
+        for e, expert in enumerate(experts):
+            for proj in ("gate", "up", "down"):
+                targets[f"{name}.{e}.{proj}_proj"] = getattr(expert, f"{proj}_proj")
     for name, module in model.named_modules():
         if ROUTED.match(name) and isinstance(module, nn.Linear | PackedInt4Linear):
             if isinstance(module, nn.Linear) and module.bias is not None:

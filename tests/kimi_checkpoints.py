@@ -22,11 +22,19 @@ QUANT_CONFIG = {
                r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]}
 
 
-def compressed_projection(n: int, k: int, generator: torch.Generator) -> dict:
-    """A routed-expert projection as compressed-tensors writes it: QAT-like bf16 scales."""
-    w = (torch.randn(n, k, generator=generator) * 0.02).bfloat16()
+def compressed(w: torch.Tensor) -> dict:
+    """w [N, K] as compressed-tensors writes a routed-expert projection: int4 group-32, QAT-like
+    bf16 scales (the group's max over 7)."""
+    n, k = w.shape
+    w = w.bfloat16()
     scale = (w.float().abs().view(n, k // 32, 32).amax(-1) / 7).clamp(min=1e-8).bfloat16()
-    return PackedQuantizationCompressor.compress({"weight": w, "weight_scale": scale}, SCHEME)
+    return {key: t.contiguous() for key, t in PackedQuantizationCompressor.compress(
+        {"weight": w, "weight_scale": scale}, SCHEME).items()}
+
+
+def compressed_projection(n: int, k: int, generator: torch.Generator) -> dict:
+    """A random routed-expert projection, compressed."""
+    return compressed(torch.randn(n, k, generator=generator) * 0.02)
 
 
 def write_checkpoint(directory: Path, *, hidden: int = 64, inter: int = 32,
