@@ -20,6 +20,7 @@ from exactness.kimi import (
 from exactness.suite.kimi_check import check_checkpoint
 from exactness.suite.reference import reference_linear
 from tests.hf_checkpoints import TINY, checkpoint_tensors, tiny_model, write
+from tests.test_kimi import MALFORMED_HEADERS, MALFORMED_JSON, set_key
 
 LAYOUTS = {"k2": False, "k25": True}
 
@@ -153,6 +154,30 @@ def test_a_bad_checkpoint_is_refused_by_from_pretrained(tmp_path, model, case):
     directory = write(tmp_path, model)
     damaged(directory, name, change)
     with pytest.raises(KimiCheckpointError, match=says):
+        hf.from_pretrained(directory)
+
+
+@pytest.mark.parametrize(**MALFORMED_JSON)
+def test_malformed_json_is_refused_by_from_pretrained(tmp_path, model, file, change, match):
+    """test_kimi's malformed config.json and index, through from_pretrained."""
+    directory = write(tmp_path, model)
+    if isinstance(change, str):
+        (directory / file).write_text(change)
+    else:
+        set_key(directory / file, *change)
+    with pytest.raises(KimiCheckpointError, match=match):
+        hf.from_pretrained(directory)
+
+
+@pytest.mark.parametrize(**MALFORMED_HEADERS)
+def test_malformed_headers_are_refused_by_from_pretrained(tmp_path, model, change, match):
+    """test_kimi's malformed safetensors headers, in one shard of the transformers checkpoint."""
+    directory = write(tmp_path, model)
+    file = sorted(directory.glob("*.safetensors"))[0]
+    file.write_bytes(change(file.read_bytes()))
+    # this shard's name, and its first tensor's dtype (bf16 here, not int32)
+    match = match.replace("model.safetensors", r"\.safetensors").replace(" of I32", " of ")
+    with pytest.raises(KimiCheckpointError, match=match):
         hf.from_pretrained(directory)
 
 

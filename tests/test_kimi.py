@@ -274,7 +274,7 @@ DELETE = object()
 GROUP = "quantization_config.config_groups.group_0"
 
 
-@pytest.mark.parametrize("file, change, match", [
+MALFORMED_JSON = dict(argnames="file, change, match", argvalues=[
     ("config.json", "{", r"config.json: not valid JSON"),
     ("config.json", "[1, 2]", r"config.json: expected a JSON object, got a list"),
     ("config.json", ("text_config", 5), r"config.json: text_config: expected a JSON object"),
@@ -305,6 +305,9 @@ GROUP = "quantization_config.config_groups.group_0"
         "symmetric-an-int", "hidden-size-a-string", "hidden-size-missing",
         "moe-size-not-a-multiple-of-32", "norm-topk-prob-a-string", "index-not-json",
         "weight-map-missing", "weight-map-a-list", "shard-name-an-int"])
+
+
+@pytest.mark.parametrize(**MALFORMED_JSON)
 def test_malformed_json_is_refused_naming_the_file_and_the_key(tmp_path, file, change, match):
     ckpt = write_checkpoint(tmp_path / "bad")
     if isinstance(change, str):
@@ -336,7 +339,7 @@ def first_tensor(header: dict) -> dict:
     return header[next(k for k in sorted(header) if k != "__metadata__")]
 
 
-@pytest.mark.parametrize("change, match", [
+MALFORMED_HEADERS = dict(argnames="change, match", argvalues=[
     (header_length_zero, r"model.safetensors: header: not valid JSON"),
     (header_not_json, r"model.safetensors: header: not valid JSON"),
     (edit_header(lambda h: first_tensor(h).update(data_offsets=[0, 10**9])),
@@ -350,6 +353,9 @@ def first_tensor(header: dict) -> dict:
     (edit_header(lambda h: h.update({"x": []})), r"model.safetensors: tensor 'x': expected"),
 ], ids=["length-zero", "not-json", "offsets-past-the-end", "unknown-dtype", "shape-not-ints",
         "size-not-shape", "entry-not-an-object"])
+
+
+@pytest.mark.parametrize(**MALFORMED_HEADERS)
 def test_malformed_safetensors_headers_are_refused(tmp_path, change, match):
     ckpt = write_checkpoint(tmp_path / "bad", single_file=True)
     file = ckpt / "model.safetensors"
