@@ -82,33 +82,39 @@ def test_auto_model_for_causal_lm_loads_kimi_k2_with_exact_experts(tmp_path, mod
     assert isinstance(exact.model.layers[1].mlp.experts, ExactExperts)
 
 
-class K25Named(torch.nn.Module):
-    """transformers' K2.5 naming around the DeepseekV3 text model: model.language_model.layers,
-    as Kimi_K25ForConditionalGeneration nests it (its vision tower left out)."""
+def kimi_k25_model(text_model):
+    """transformers' own Kimi_K25ForConditionalGeneration (a tiny vision tower), its text model
+    the weights of `text_model`: names under model.language_model, as K2.5 runs."""
+    from transformers.models.kimi_k25.configuration_kimi_k25 import Kimi_K25Config
+    from transformers.models.kimi_k25.modeling_kimi_k25 import Kimi_K25ForConditionalGeneration
 
-    def __init__(self, causal_lm):
-        super().__init__()
-        self.model = torch.nn.Module()
-        self.model.language_model, self.lm_head = causal_lm.model, causal_lm.lm_head
-
-    def forward(self, ids):
-        return self.lm_head(self.model.language_model(ids).last_hidden_state)
+    vision = dict(patch_size=14, pos_emb_height=4, pos_emb_width=4, num_attention_heads=2,
+                  num_hidden_layers=1, hidden_size=64, intermediate_size=128)
+    config = Kimi_K25Config(text_config={"model_type": "deepseek_v3", **TINY},
+                            vision_config=vision, projection_hidden_size=64,
+                            tie_word_embeddings=False)
+    model = Kimi_K25ForConditionalGeneration(config).to(torch.bfloat16).eval()
+    text = model.model.language_model
+    text.rotary_emb = type(text.rotary_emb)(text.config)  # fp32, as computed (see tiny_model)
+    model.model.language_model.load_state_dict(text_model.model.state_dict())
+    model.lm_head.load_state_dict(text_model.lm_head.state_dict())
+    return model
 
 
 def test_convert_a_transformers_model_in_place(checkpoint, model):
-    """convert_kimi_to_exact on transformers' own model: the fused experts become ExactExperts
-    loaded from the shards, the bf16 rest is left as it was: the logits of from_pretrained."""
+    """convert_kimi_to_exact on transformers' own model (K2: DeepseekV3ForCausalLM; K2.5:
+    Kimi_K25ForConditionalGeneration): the fused experts become ExactExperts loaded from the
+    shards, the bf16 rest is left as it was, and the logits are from_pretrained's."""
     import copy
 
     k25 = "kimi_k25" in (checkpoint / "config.json").read_text()
-    target = copy.deepcopy(model)
-    target = K25Named(target) if k25 else target
+    target = kimi_k25_model(model) if k25 else copy.deepcopy(model)
     report = convert_kimi_to_exact(target, checkpoint)
     assert report.routed_loaded == TINY["n_routed_experts"] * 3
     ids = torch.tensor([[5, 6, 7]])
     with torch.no_grad():
-        got = target(ids) if k25 else target(ids).logits
-        assert torch.equal(got, hf.from_pretrained(checkpoint)(ids).logits)
+        assert torch.equal(target(input_ids=ids).logits,
+                           hf.from_pretrained(checkpoint)(ids).logits)
 
 
 def test_the_cli_checks_a_transformers_written_checkpoint(checkpoint, capsys):
