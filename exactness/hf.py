@@ -31,6 +31,7 @@ from .kimi import (
     KimiCheckpoint,
     KimiCheckpointError,
     is_fused_experts,
+    replace_module,
 )
 from .modules import PackedInt4Linear
 
@@ -62,9 +63,7 @@ def from_pretrained(path: str | Path, act_bits: int = DEFAULT_ACT_BITS, *, devic
             model = DeepseekV3ForCausalLM(config).to(dtype)
         for name, module in list(model.named_modules()):
             if is_fused_experts(module):
-                parent, _, child = name.rpartition(".")
-                setattr(model.get_submodule(parent), child,
-                        ExactExperts.like(module, act_bits, device="meta"))
+                replace_module(model, name, ExactExperts.like(module, act_bits, device="meta"))
         state, skipped = _read_state(model, checkpoint, prefix)
     finally:
         checkpoint.close()

@@ -596,7 +596,7 @@ class ConversionReport:
                 "bytes_read": self.bytes_read, "peak_rss_growth": self.peak_rss_growth}
 
 
-def _set(model: nn.Module, name: str, module: nn.Module) -> None:
+def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
     parent, _, child = name.rpartition(".")
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
@@ -629,7 +629,7 @@ def convert_kimi_to_exact(model: nn.Module, checkpoint_dir: str | Path | None = 
         if name not in replacements:
             targets[name].load_state_dict(state, assign=True)
     for name, new in replacements.items():
-        _set(model, name, new)
+        replace_module(model, name, new)
     report.bytes_read = checkpoint.bytes_read if checkpoint else 0
     report.peak_rss_growth = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss0) * 1024
     return report

@@ -20,7 +20,7 @@ from exactness.kimi import (
 from exactness.suite.kimi_check import check_checkpoint
 from exactness.suite.reference import reference_linear
 from tests.hf_checkpoints import TINY, checkpoint_tensors, tiny_model, write
-from tests.test_kimi import MALFORMED_HEADERS, MALFORMED_JSON, set_key
+from tests.test_kimi import MALFORMED_HEADERS, MALFORMED_JSON, rewrite_tensor, set_key
 
 LAYOUTS = {"k2": False, "k25": True}
 
@@ -125,21 +125,18 @@ def test_the_cli_checks_a_transformers_written_checkpoint(checkpoint, capsys):
 # --------------------------------------------------------------------------- refused
 
 def damaged(directory, name, change):
-    """The checkpoint with tensor `name` changed by change(tensor) -> tensor or None (drop)."""
-    from safetensors.torch import load_file, save_file
+    """The checkpoint with tensor `name` changed by change(tensor) -> tensor, or None: dropped
+    from its shard and the index (the model's tensor is then missing, not misplaced)."""
+    from safetensors.torch import load_file
 
-    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    index_file = directory / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
     key = next(k for k in index["weight_map"] if k.endswith(name))
-    file = directory / index["weight_map"][key]
-    tensors = load_file(str(file))
-    new = change(tensors[key])
+    new = change(load_file(str(directory / index["weight_map"][key]))[key])
+    rewrite_tensor(directory, key, new)
     if new is None:
-        del tensors[key]
         del index["weight_map"][key]
-    else:
-        tensors[key] = new
-    save_file(tensors, str(file))
-    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+        index_file.write_text(json.dumps(index))
 
 
 REFUSED = {
