@@ -40,6 +40,7 @@ prove: setup
 
 bench: setup
 	TRITON_INTERPRET=0 $(BIN)/python bench/bench_forward.py
+	TRITON_INTERPRET=0 $(BIN)/python -m bench.bench_moe
 
 lint: setup
 	$(BIN)/ruff check exactness tests proofs bench conftest.py

@@ -5,8 +5,10 @@ side (the group kernel; linear_folded, taken from triton_exact.FOLDED_MIN_ROWS r
 also replayed from a CUDA graph (the device's time without the host's launches), then the
 quantization alone and the group kernel's other tiles and warp counts at M = 1, 16, 128 and 4096
 (same bits, their times), so that one run on a lent GPU also says which launch and crossover to
-make the default. Prints tables; exit 1 on any differing bit, a non-finite x let through or a
-capture not refused."""
+make the default. Last, an MoE layer's routed experts at Kimi's sizes (moe_check): the grouped
+call's bits against the per-expert loop, its read-backs counted (one a call), its time beside the
+loop's and transformers' bf16 experts'. Prints tables; exit 1 on any differing bit, a non-finite
+x let through, a capture not refused or a second read-back."""
 
 from __future__ import annotations
 
@@ -108,7 +110,39 @@ def main() -> int:
                   f"{group} | {folded}{'' if same else ' DIFFERENT BITS'} | "
                   f"{graphed(layer, x, w)} |")
     bad += tiles()
+    bad += moe_check()
     return 1 if bad else 0
+
+
+def moe_check(experts: int = 32, tokens=(1, 16, 128, 1024)) -> int:
+    """bench_moe's layer on the GPU: the grouped call (triton-grouped) against the per-expert
+    loop, bit for bit, with its read-backs counted, and the three side by side (CUDA events).
+    Returns how many token counts failed."""
+    from bench.bench_moe import HIDDEN, experts_pair, routing
+    from exactness import moe
+
+    exact, bf16 = experts_pair(experts, 16)
+    exact, bf16 = exact.to("cuda"), bf16.to("cuda")
+    reads, read_back = [], moe.read_back
+    moe.read_back = lambda counts: (reads.append(1), read_back(counts))[1]
+    bad = 0
+    print(f"| {experts} experts, top-8: T | read-backs a call | grouped ms | per-expert ms | "
+          f"bf16 ms | grouped / bf16 | grouped / per-expert |")
+    for t in tokens:
+        x = torch.randn(t, HIDDEN, device="cuda").bfloat16()
+        ids, weights = (v.to("cuda") for v in routing(t, experts, t))
+        reads.clear()
+        y = exact(x, ids, weights)
+        count = len(reads)
+        same = torch.equal(y, exact.per_expert(x, ids, weights))
+        grouped = cuda_ms(lambda: exact(x, ids, weights), 20)
+        loop = cuda_ms(lambda: exact.per_expert(x, ids, weights), 10)
+        base = cuda_ms(lambda: bf16(x, ids, weights), 20)
+        bad += not same or count != 1
+        print(f"| {t} | {count} | {grouped:.3f}{'' if same else ' DIFFERENT BITS'} | "
+              f"{loop:.3f} | {base:.3f} | {grouped / base:.2f} | {grouped / loop:.2f} |")
+    moe.read_back = read_back
+    return bad
 
 
 def nonfinite_refused(device: str) -> bool:

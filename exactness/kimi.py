@@ -24,7 +24,9 @@ from torch import nn
 
 from .contract import BFLOAT16, DEFAULT_ACT_BITS, ExactnessError, check_act_bits
 from .formats import check_finite, float_bits
+from .kernels.routing import check_routing
 from .modules import ExactLinear, PackedInt4Linear
+from .moe import activation, experts_forward
 
 
 class KimiCheckpointError(ExactnessError, ValueError):
@@ -143,7 +145,7 @@ class KimiMLP(nn.Module):
         self.down_proj = make(intermediate_size, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(activation(nn.functional.silu, self.gate_proj(x), self.up_proj(x)))
 
 
 class KimiRouter(nn.Module):
@@ -168,9 +170,12 @@ class KimiRouter(nn.Module):
 
 
 class KimiMoE(nn.Module):
-    def __init__(self, config: KimiConfig):
+    """Routed experts (one grouped call per projection where they are exact: exactness.moe; the
+    per-expert loop with `grouped = False`), shared experts, the router; sums in fp32."""
+
+    def __init__(self, config: KimiConfig, grouped: bool = True):
         super().__init__()
-        self.config = config
+        self.config, self.grouped = config, grouped
         self.experts = nn.ModuleList(KimiMLP(config, config.moe_intermediate_size, routed=True)
                                      for _ in range(config.n_routed_experts))
         self.gate = KimiRouter(config)
@@ -181,11 +186,20 @@ class KimiMoE(nn.Module):
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         chosen, weights = self.gate(x)
-        out = torch.zeros(x.shape, dtype=torch.float32)
+        routed = (experts_forward(self.experts, nn.functional.silu, x, chosen, weights,
+                                  torch.float32, lambda: self.per_expert(x, chosen, weights))
+                  if self.grouped else self.per_expert(x, chosen, weights))
+        return (routed + self.shared_experts(x).float()).to(x.dtype).reshape(shape)
+
+    def per_expert(self, x: torch.Tensor, chosen: torch.Tensor,
+                   weights: torch.Tensor) -> torch.Tensor:
+        """The routed experts one by one: the reference the grouped call is checked against."""
+        check_routing(chosen.to(torch.int64), len(self.experts))
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(chosen).tolist():  # each expert sees only its tokens
             token, slot = torch.nonzero(chosen == e, as_tuple=True)
             out.index_add_(0, token, weights[token, slot, None] * self.experts[e](x[token]).float())
-        return (out + self.shared_experts(x).float()).to(x.dtype).reshape(shape)
+        return out
 
 
 class KimiDecoderLayer(nn.Module):
@@ -533,14 +547,16 @@ class ExactExpert(nn.Module):
 class ExactExperts(nn.Module):
     """transformers' fused DeepseekV3Experts (exactness.hf), exact, with the same call. Expert
     E's projections are `E.gate_proj`, `E.up_proj` and `E.down_proj`: the checkpoint's own
-    names (`...mlp.experts.E.gate_proj.weight_packed`)."""
+    names (`...mlp.experts.E.gate_proj.weight_packed`). A forward is one grouped call per
+    projection (exactness.moe); `grouped = False` runs transformers' own loop instead
+    (`per_expert`), the reference the grouped call is checked against."""
 
     def __init__(self, num_experts: int, hidden: int, inter: int, act_fn,
-                 act_bits: int = DEFAULT_ACT_BITS, device=None):
+                 act_bits: int = DEFAULT_ACT_BITS, device=None, grouped: bool = True):
         super().__init__()
         for e in range(num_experts):
             self.add_module(str(e), ExactExpert(hidden, inter, act_bits, device))
-        self.num_experts, self.act_fn = num_experts, act_fn
+        self.num_experts, self.act_fn, self.grouped = num_experts, act_fn, grouped
 
     def __getitem__(self, e: int) -> ExactExpert:
         return getattr(self, str(e))
@@ -560,13 +576,25 @@ class ExactExperts(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
+        if not self.grouped:
+            return self.per_expert(hidden_states, top_k_index, top_k_weights)
+        return experts_forward(self, self.act_fn, hidden_states, top_k_index, top_k_weights,
+                               hidden_states.dtype,
+                               lambda: self.per_expert(hidden_states, top_k_index, top_k_weights))
+
+    def per_expert(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                   top_k_weights: torch.Tensor) -> torch.Tensor:
+        """transformers' own loop (DeepseekV3Experts.forward) over the exact layers, expert by
+        expert: ids in [0, E], E its padding for "no expert"."""
+        ids = top_k_index.to(torch.int64)
+        check_routing(ids, self.num_experts)
         out = torch.zeros_like(hidden_states)
-        for e in torch.unique(top_k_index).tolist():
-            if not 0 <= e < self.num_experts:  # transformers' padding index for no expert
+        for e in torch.unique(ids).tolist():
+            if e == self.num_experts:
                 continue
-            token, slot = torch.where(top_k_index == e)
+            token, slot = torch.where(ids == e)
             x, expert = hidden_states[token], self[e]
-            y = expert.down_proj(self.act_fn(expert.gate_proj(x)) * expert.up_proj(x))
+            y = expert.down_proj(activation(self.act_fn, expert.gate_proj(x), expert.up_proj(x)))
             out.index_add_(0, token, (y * top_k_weights[token, slot, None]).to(out.dtype))
         return out
 

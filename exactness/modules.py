@@ -193,16 +193,24 @@ class _PackedExactLinear(nn.Module):
             raise ShapeError(f"{name}: {got}, but the layer is "
                              f"[{self.out_features}, {self.in_features}]")
 
+    def checked_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(weight_packed, weight_scale, weight_shape) as they are now, or a typed error if a
+        kernel could not read them (reassigned with another shape, dtype, device or strides).
+        weight_shape's values are not read here (on a GPU that would wait for the device)."""
+        for name, (shape, dtypes) in self._expected().items():
+            check_buffer(name, getattr(self, name), shape, dtypes)  # a Parameter now, maybe
+        packed, scale, shape = self.weight_packed, self.weight_scale, self.weight_shape
+        if not packed.device == scale.device == shape.device:
+            raise ContractValueError(f"weight_packed is on {packed.device}, weight_scale on "
+                                     f"{scale.device}, weight_shape on {shape.device}: a kernel "
+                                     f"reads them on one device")
+        return packed, scale, shape
+
     def _readable_buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(weight_packed, weight_scale) as they are now, or a typed error if a kernel could not
-        read them (reassigned with another shape, dtype or device)."""
-        for name, (shape, dtypes) in self._expected().items():
-            check_buffer(name, getattr(self, name), shape, dtypes)
-        packed, scale = self.weight_packed, self.weight_scale
-        if packed.device != scale.device:
-            raise ContractValueError(f"weight_packed is on {packed.device}, weight_scale on "
-                                     f"{scale.device}: a kernel reads both on one device")
-        self._check_shape(self.weight_shape, "weight_shape")
+        read them (checked_buffers), or weight_shape disagrees with the layer's shape."""
+        packed, scale, shape = self.checked_buffers()
+        self._check_shape(shape, "weight_shape")
         return packed, scale
 
     # ----------------------------------------------------------------- derived data

@@ -341,7 +341,8 @@ def combine(w_bits: int, a_bits: int, k: int, acc_bits: int, spread: int) -> Obl
 def combine_offset(w_bits: int, a_bits: int, k: int, acc_bits: int, spread: int) -> Obligation:
     """16-bit activations: the group kernel adds LIMB_OFFSET * R, R = sum_k q * f (offset_sums,
     int64), to any partial sum of the combine (its first slice of K does, before or after the
-    others'): R and the result fit `acc_bits`, within dataflow.combine_bound."""
+    others'): R and the result fit `acc_bits`, within dataflow.combine_bound. The grouped kernel
+    adds each group's share of R with the group: a partial R, within the same bound."""
     groups = k // GROUP_SIZE
     mant = 2**dataflow.SCALE_MANT_BITS - 1
     acc_max = groups * (mant * dataflow.group_term_bound(w_bits, a_bits) << spread)

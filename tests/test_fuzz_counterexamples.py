@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exactness.suite import counterexamples, repro
-from exactness.suite.reference import reference_linear
-from exactness.suite.strategies import linear_cases
+from exactness.suite.paths import run
+from exactness.suite.strategies import linear_cases, routed_cases
 
 PATTERN_KEYS = ("x_bits", "weight_packed", "weight_scale_bits", "expected_bits", "actual_bits")
 
@@ -37,10 +37,11 @@ def scratch(tmp_path_factory):
 
 @st.composite
 def documents(draw) -> dict:
-    """A valid counterexample document of a small case, as `to_document` writes it."""
-    case = draw(linear_cases(max_k=64, max_n=3, max_rows=2))
-    want = reference_linear(case.x_bits, case.x_format, case.weight_packed, case.scale_bits,
-                            **case.kwargs())
+    """A valid counterexample document of a small case, as `to_document` writes it: a layer's,
+    or a grouped projection's (with its routing)."""
+    case = draw(linear_cases(max_k=64, max_n=3, max_rows=2)
+                | routed_cases(max_k=64, max_n=2, max_experts=3, max_rows=2))
+    want = run(case, "reference")
     path = draw(st.sampled_from(["cpu", "reference", "wide", "simulated-dot32-acc32"]))
     return counterexamples.to_document(case, path=path, expected=want, actual=want)
 
@@ -108,6 +109,9 @@ def read_or_refuse(file):
         assert values(doc.get(key)) == values(again[key]), key
     assert [doc["shape"][d] for d in "MKN"] == [again["shape"][d] for d in "MKN"]
     assert (doc["act_bits"], doc["w_bits"]) == (again["act_bits"], again["w_bits"])
+    for key in ("experts", "parts", "routing"):  # a grouped projection's, read as written
+        assert doc.get(key) == again.get(key) or (key != "routing" and doc.get(key) in (None, 1)
+                                                  and "routing" not in again), key
     return case
 
 
@@ -119,9 +123,10 @@ def test_read_of_arbitrary_bytes(scratch, data):
 
 
 @settings(max_examples=300, deadline=None)
-@given(json_values | st.dictionaries(st.sampled_from([*PATTERN_KEYS, "shape", "act_bits", "path"]),
+@given(json_values | st.dictionaries(st.sampled_from([*PATTERN_KEYS, "shape", "act_bits", "path",
+                                                     "routing", "experts", "parts"]),
                                      json_values).map(lambda d: {"format": counterexamples.FORMAT,
-                                                                 "version": 1, **d}))
+                                                                 "version": 2, **d}))
 def test_read_of_arbitrary_json(scratch, value):
     scratch.write_text(json.dumps(value))
     read_or_refuse(scratch)

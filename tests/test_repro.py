@@ -8,6 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from exactness.contract import ExactnessError
@@ -40,6 +41,30 @@ def test_planted_kernel_bug_is_caught_saved_and_replayed(tmp_path):
     still = cli("repro", str(files[0]), env=env)
     assert still.returncode == 1 and "DIFFERS" in still.stdout
     assert "first differing bit" in still.stdout and re.search(r"row \d+, out \d+", still.stdout)
+    fixed = cli("repro", str(files[0]), env={"TRITON_INTERPRET": "1"})
+    assert fixed.returncode == 0 and "fixed" in fixed.stdout, fixed.stdout
+
+
+def test_planted_grouped_kernel_bug_is_caught_saved_and_replayed(tmp_path):
+    """A grouped kernel's bug (the neighbouring expert's weights) fails the grouped projection
+    property, which leaves a counterexample with its routing; it replays as still failing under
+    the bug, naming the expert, and as fixed without it."""
+    from exactness.kernels import native
+
+    if native.library() is None:
+        pytest.skip("no C kernel here: the planted bug is in it")
+    env = {"EXACTNESS_MUTANT": "grouped-neighbouring-experts-weights",
+           "EXACTNESS_COUNTEREXAMPLES": str(tmp_path), "HYPOTHESIS_PROFILE": "ci-kill"}
+    test = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/test_moe.py::test_grouped_projection_matches_reference"
+                           "[vnni-grouped]"], cwd=ROOT, text=True, capture_output=True,
+                          env={**os.environ, **env})
+    assert test.returncode == 1, test.stdout[-2000:]
+    files = sorted(tmp_path.glob("vnni-grouped-*.json"))
+    assert files, test.stdout[-2000:]
+    assert json.loads(files[0].read_text())["routing"]
+    still = cli("repro", "--path", "vnni-grouped", str(files[0]), env=env)
+    assert still.returncode == 1 and "DIFFERS" in still.stdout and "expert" in still.stdout
     fixed = cli("repro", str(files[0]), env={"TRITON_INTERPRET": "1"})
     assert fixed.returncode == 0 and "fixed" in fixed.stdout, fixed.stdout
 
@@ -96,7 +121,7 @@ OUT_OF_WIDTH = ("x_bits", "weight_packed", "weight_scale_bits", "expected_bits")
 
 MALFORMED_DOCUMENTS = {
     "other-format": assigned("format", "something-else"),
-    "newer-version": assigned("version", 2),
+    "newer-version": assigned("version", 3),
     "version-0": assigned("version", 0),
     "version-as-text": assigned("version", "1"),
     "missing-x_bits": deleted("x_bits"),
@@ -143,13 +168,70 @@ def test_out_of_width_pattern_is_refused(key, tmp_path, capsys):
     assert f"{key} row 0" in err and "bits" in err, err
 
 
-@pytest.mark.parametrize("change", MALFORMED_DOCUMENTS.values(), ids=MALFORMED_DOCUMENTS)
-def test_malformed_document_is_refused(change, tmp_path, capsys):
-    doc = document()
+def routed_document() -> dict:
+    """A grouped projection's valid document: 3 rows of K = 64 to two experts of two parts of
+    2 outputs (2 is "no expert")."""
+    from exactness.contract import BFLOAT16
+    from exactness.formats import pack_weights
+    from exactness.suite.cases import LinearCase
+    from exactness.suite.paths import run
+
+    rng = np.random.default_rng(0)
+    q = rng.integers(-8, 8, (8, 64))
+    case = LinearCase(rng.integers(0x3C00, 0x4000, (3, 64)), BFLOAT16, q, pack_weights(q, 4),
+                      rng.integers(0x3C00, 0x3D00, (8, 2)), 16, BFLOAT16, 4,
+                      routing=np.array([[0, 1], [1, 2], [2, 2]]), experts=2, parts=2)
+    want = run(case, "reference")
+    return counterexamples.to_document(case, path="vnni-grouped", expected=want, actual=want)
+
+
+def routing_cell(value, row=0, column=0):
+    def change(doc):
+        doc["routing"][row][column] = value
+    return change
+
+
+MALFORMED_ROUTED = {
+    "routing-in-version-1": assigned("version", 1),
+    "experts-not-dividing-n": assigned("experts", 7),
+    "experts-zero": assigned("experts", 0),
+    "parts-not-dividing": assigned("parts", 5),
+    "parts-missing": deleted("parts"),
+    "routing-rows-missing": lambda doc: doc["routing"].pop(),
+    "routing-ragged": lambda doc: doc["routing"][0].append(0),
+    "id-past-padding": lambda doc: routing_cell(doc["experts"] + 1)(doc),
+    "id-negative": routing_cell(-1),
+    "id-as-text": routing_cell("0"),
+    "id-as-bool": routing_cell(True),
+    "expert-twice": lambda doc: doc["routing"][0].__setitem__(slice(None),
+                                                              [0] * len(doc["routing"][0])),
+}
+
+
+MALFORMED = {**{name: (document, change) for name, change in MALFORMED_DOCUMENTS.items()},
+             **{f"routed-{name}": (routed_document, change)
+                for name, change in MALFORMED_ROUTED.items()}}
+
+
+@pytest.mark.parametrize("make, change", MALFORMED.values(), ids=MALFORMED)
+def test_malformed_document_is_refused(make, change, tmp_path, capsys):
+    """A layer's document, or a grouped projection's (its routing), with one thing wrong."""
+    doc = make()
     change(doc)
     file = tmp_path / "bad.json"
     file.write_text(json.dumps(doc))
     refused(capsys, file)
+
+
+def test_a_routed_document_reads_back_and_replays_clean(tmp_path, capsys):
+    doc = routed_document()
+    file = tmp_path / "routed.json"
+    file.write_text(json.dumps(doc))
+    case, _ = counterexamples.read(file)
+    assert case.routing is not None and case.experts == doc["experts"]
+    assert repro.main([str(file)]) == 0  # every path, the grouped kernels' too
+    out = capsys.readouterr().out
+    assert "2 experts" in out and "vnni-grouped" in out and "fixed" in out, out
 
 
 @pytest.mark.parametrize("text", MALFORMED_TEXTS.values(), ids=MALFORMED_TEXTS)

@@ -87,7 +87,7 @@ class _GemmKernel:
     int8 GEMMs of limbs and digits (`int8-gemm`) or an int64 matmul (`int64-matmul`, for CPUs
     whose torch._int_mm is missing or inexact), the one rounding by formats."""
 
-    family, layout, auto, min_rows = "cpu", "folded", True, 0
+    family, layout, auto, min_rows, grouped = "cpu", "folded", True, 0, False
 
     def __init__(self, name: str, int8: bool):
         self.name, self.int8 = name, int8

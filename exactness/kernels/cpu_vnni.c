@@ -124,13 +124,13 @@ ALWAYS_INLINE void store_bits(void *out, int64_t i, int64_t left, __m512i bits, 
 }
 
 // Where a tile's result goes: T (int64, row stride Np), or, when y is set, the rounded output
-// itself: y[r, n] = round8_normal(T, e_r[r] + emin[n]) as bit patterns (row stride N), straight
-// from the registers. emin is padded to Np; e_r and y start at the tile's first row.
+// itself: y[r, n] = round8_normal(T, e_r[r] + emin[n]) as bit patterns (N columns, row stride
+// ld), straight from the registers. emin is padded to Np; e_r and y start at the tile's first row.
 typedef struct {
     int64_t *t;
     void *y;
     const int64_t *e_r, *emin;
-    int64_t N;
+    int64_t N, ld;
     int mant, expo;
 } Out;
 
@@ -142,7 +142,7 @@ ALWAYS_INLINE void finish(Out o, int i, int64_t n0, int64_t Np, __m512i even, __
         const int wide = o.mant + o.expo + 1 == 32;
         for (int h = 0; h < 2; h++) {
             const __m512i e = _mm512_add_epi64(e_r, _mm512_loadu_si512(o.emin + n0 + 8 * h));
-            store_bits(o.y, i * o.N + n0 + 8 * h, o.N - n0 - 8 * h,
+            store_bits(o.y, i * o.ld + n0 + 8 * h, o.N - n0 - 8 * h,
                        round8_normal(h ? odd : even, e, o.mant, o.expo), wide);
         }
     } else {
@@ -151,9 +151,9 @@ ALWAYS_INLINE void finish(Out o, int i, int64_t n0, int64_t Np, __m512i even, __
     }
 }
 
-// T for `rows` activation rows (a compile-time constant at every call) against weight block wb,
-// whose first column is n0.
-ALWAYS_INLINE void tile(const uint8_t *lo, const uint8_t *hi, const uint8_t *wb,
+// T for `rows` activation rows (a compile-time constant at every call; row i's limbs at lo[i] and
+// hi[i]) against weight block wb, whose first column is n0.
+ALWAYS_INLINE void tile(const uint8_t *const *lo, const uint8_t *const *hi, const uint8_t *wb,
                         const int32_t *wsum, const int32_t *c, Out o, int64_t n0, int64_t K,
                         int64_t Np, const int rows, const int two, const int nibbles) {
     const __m512i low4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
@@ -182,9 +182,9 @@ ALWAYS_INLINE void tile(const uint8_t *lo, const uint8_t *hi, const uint8_t *wb,
             for (int h = 0; h < 2; h++) {
                 const int64_t k = g * 32 + (j + h) * 4;
                 FOR_ROWS(i) {
-                    d_lo[i] = _mm512_dpbusd_epi32(d_lo[i], broadcast4(lo + i * K + k), wv[h]);
+                    d_lo[i] = _mm512_dpbusd_epi32(d_lo[i], broadcast4(lo[i] + k), wv[h]);
                     if (two) {
-                        d_hi[i] = _mm512_dpbusd_epi32(d_hi[i], broadcast4(hi + i * K + k), wv[h]);
+                        d_hi[i] = _mm512_dpbusd_epi32(d_hi[i], broadcast4(hi[i] + k), wv[h]);
                     }
                 }
             }
@@ -203,13 +203,19 @@ ALWAYS_INLINE void tile(const uint8_t *lo, const uint8_t *hi, const uint8_t *wb,
     FOR_ROWS(i) finish(o, i, n0, Np, acc_even[i], acc_odd[i]);
 }
 
-// The Out of the tile whose first activation row is r.
+// The Out of the tile whose first activation row is r (y's rows ld values apart).
 static inline Out tile_out(int64_t *t, void *y, const int64_t *e_r, const int64_t *emin, int64_t r,
-                           int64_t N, int64_t Np, int mant, int expo) {
+                           int64_t N, int64_t ld, int64_t Np, int mant, int expo) {
     const int bytes = mant + expo + 1 == 32 ? 4 : 2;
-    return y ? (Out){0, (char *)y + r * N * bytes, e_r + r, emin, N, mant, expo}
-             : (Out){t + r * Np, 0, 0, 0, N, mant, expo};
+    return y ? (Out){0, (char *)y + r * ld * bytes, e_r + r, emin, N, ld, mant, expo}
+             : (Out){t + r * Np, 0, 0, 0, N, ld, mant, expo};
 }
+
+// Each row of a tile reads its activations through a pointer of its own (row i at rows[i]): the
+// rows of one call (M consecutive ones) and an expert's routed rows (gathered) alike.
+#define ROW_POINTERS(type, name, base, row_of)              \
+    type name[TILE_ROWS];                                   \
+    for (int i = 0; i < TILE_ROWS; i++) name[i] = (base) + (row_of) * K
 
 #define TILE(R, TWO, NIB) \
     tile(a_lo, a_hi, wb, wsum + b * 16, c + b * 16, o, b * 16, K, Np, R, TWO, NIB)
@@ -225,9 +231,10 @@ void exact_linear_vnni(const uint8_t *lo, const uint8_t *hi, const uint8_t *w,
     for (int64_t b = 0; b < Np / 16; b++) {
         const uint8_t *wb = w + b * K * (nibbles ? 8 : 16);
         for (int64_t r = 0; r < M; r += TILE_ROWS) {
-            const uint8_t *a_lo = lo + r * K, *a_hi = hi + r * K;
-            const Out o = tile_out(t, y, e_r, emin, r, N, Np, mant, expo);
             const int64_t rows = M - r < TILE_ROWS ? M - r : TILE_ROWS;
+            ROW_POINTERS(const uint8_t *, a_lo, lo, r + (i < rows ? i : 0));
+            ROW_POINTERS(const uint8_t *, a_hi, hi, r + (i < rows ? i : 0));
+            const Out o = tile_out(t, y, e_r, emin, r, N, N, Np, mant, expo);
             if (two && nibbles) TILES(1, 1) else if (two) TILES(1, 0)
             else if (nibbles) TILES(0, 1) else TILES(0, 0)
         }
@@ -297,9 +304,9 @@ ALWAYS_INLINE void finish_pending(Pending *p, int i, int64_t Np) {
     finish(p->o, i, p->n0, Np, p->sums[2 * i], p->sums[2 * i + 1]);
 }
 
-// T for `rows` activation rows (words a, row stride K) against the expanded block s, of the kind
+// T for `rows` activation rows (row i's words at a[i]) against the expanded block s, of the kind
 // `unshifted` (a compile-time constant, as rows).
-ALWAYS_INLINE void span_tile(const int16_t *a, const int16_t *s, const int8_t *rsh,
+ALWAYS_INLINE void span_tile(const int16_t *const *a, const int16_t *s, const int8_t *rsh,
                              const uint8_t *ends, Out o, int64_t n0, int64_t K, int64_t Np,
                              Pending *p, const int rows, const int unshifted) {
     const __m512i high = _mm512_set1_epi64((int64_t)0xFFFFFFFF00000000ull);
@@ -318,7 +325,7 @@ ALWAYS_INLINE void span_tile(const int16_t *a, const int16_t *s, const int8_t *r
             const __m512i v0 = _mm512_loadu_si512(s + (g * 8 + j) * 64);
             const __m512i v1 = _mm512_loadu_si512(s + (g * 8 + j) * 64 + 32);
             FOR_ROWS(i) {
-                const int16_t *pair = a + i * K + g * 32 + j * 4;
+                const int16_t *pair = a[i] + g * 32 + j * 4;
                 DOT_BROADCAST(d0[i], v0, pair);      // k0, k2
                 DOT_BROADCAST(d1[i], v1, pair + 2);  // k1, k3
             }
@@ -363,7 +370,7 @@ ALWAYS_INLINE void span_tile(const int16_t *a, const int16_t *s, const int8_t *r
 }
 
 #define SPAN_TILE(R, S, UNSHIFTED)                                                        \
-    span_tile(a + r * K, S, rsh + b * G * 16, ends + b * G, o, b * 16, K, Np, &pending, R, \
+    span_tile(a_rows, S, rsh + b * G * 16, ends + b * G, o, b * 16, K, Np, &pending, R, \
               UNSHIFTED)
 
 // T [M, Np] into t, or (y not NULL) the rounded output y [M, N] (see Out); w in the nibble layout.
@@ -380,8 +387,9 @@ void exact_linear_spans(const int16_t *a, const uint8_t *w, const int16_t *f, co
         for (int64_t b = 0; b < Np / 16; b++) {
             expand(w + b * K * 8, f + b * G * 16, scratch, K);
             for (int64_t r = 0; r < M; r += TILE_ROWS) {
-                const Out o = tile_out(t, y, e_r, emin, r, N, Np, mant, expo);
+                const Out o = tile_out(t, y, e_r, emin, r, N, N, Np, mant, expo);
                 const int64_t rows = M - r < TILE_ROWS ? M - r : TILE_ROWS;
+                ROW_POINTERS(const int16_t *, a_rows, a, r + (i < rows ? i : 0));
                 if (unshifted[b]) BY_ROWS(rows, SPAN_TILE, scratch, 1)
                 else BY_ROWS(rows, SPAN_TILE, scratch, 0)
             }
@@ -497,31 +505,114 @@ typedef struct {
     int32_t nibbles;
 } Layer;
 
-// native.linear in one call (Python between the passes cost more than the passes' own
-// bookkeeping, measured): x [M, K] (format 0 bf16, 1 fp16, 2 fp32, of mant_x and expo_x bits)
-// quantized into a scratch of its own (quantize_limbs mode `mode`: 0 or 1 limbs, 2 words), then
-// exact_linear_spans (mode 2) or exact_linear_vnni, rounded once into y [M, N] (mant, expo).
-// Returns how many rows of x hold a non-finite value (y unwritten then), or -1 when the scratch
-// could not be allocated.
-int64_t exact_linear(const Layer *L, const void *x, int format, int mant_x, int expo_x,
-                     int64_t qmax, int mode, int64_t M, void *y, int mant, int expo) {
-    const int64_t K = L->K;
-    int64_t *e_r = malloc(M * sizeof(int64_t));
-    // words, or lo and hi limbs, or one limb; on 64 bytes (malloc's 16 measured 0.1 ms slower)
-    uint8_t *lo = aligned_alloc(64, (M * K * (mode ? 2 : 1) + 63) / 64 * 64);
-    int64_t bad = e_r && lo ? row_exponents(x, mant_x, expo_x, qmax, M, K, e_r) : -1;
-    if (bad == 0) {
-        uint8_t *hi = mode == 1 ? lo + M * K : lo;
-        quantize_limbs(x, format, M, K, e_r, lo, hi, mode);
-        if (mode == 2) {
-            exact_linear_spans((const int16_t *)lo, L->w, L->f, L->rsh, L->ends, L->unshifted, NULL,
-                               M, K, L->Np, y, e_r, L->emin, L->N, mant, expo);
-        } else {
-            exact_linear_vnni(lo, hi, L->w, L->wsum, L->c, NULL, M, K, L->Np, mode, L->nibbles, y,
-                              e_r, L->emin, L->N, mant, expo);
+// One grouped call (exact_grouped): the rows routed to each of `experts` experts, each expert's
+// rows against its `parts` layers (gate and up: 2; down: 1), which share K and N. The routed rows
+// are numbered in expert order: expert e's are offsets[e] .. offsets[e + 1], and routed row r reads
+// row source[r] of x (source NULL: row r). y [rows, parts * N] holds routed row r's output of
+// part p at columns p * N .. p * N + N. spans[e] = 1 sends expert e through the span kernel (its
+// layers' span scales built), else the limb kernel.
+typedef struct {
+    const Layer *const *layers;  // [experts * parts]: expert e's part p at e * parts + p
+    const int64_t *offsets;      // [experts + 1]
+    const int64_t *source;       // [rows] or NULL
+    const uint8_t *spans;        // [experts]
+    int64_t experts, parts;
+} Grouped;
+
+// The accumulation of a grouped call: for each expert and part in turn, its blocks of 16 weight
+// rows shared among the threads (a static share, no barrier between experts), each block against
+// all the expert's rows. So a thread keeps an expert's activation rows in its caches across its
+// blocks, and every expert's work is split evenly, however unevenly the rows are routed. An
+// expert takes the span kernel where spans[e] asks and its layer holds span scales, else the
+// limb kernel (exact_grouped quantizes x for both where that can happen).
+static void grouped_tiles(const Grouped *gr, const int16_t *words, const uint8_t *lo,
+                          const uint8_t *hi, int two, const int64_t *e_rows, void *y, int mant,
+                          int expo) {
+    const Layer *first = gr->layers[0];
+    const int64_t K = first->K, Np = first->Np, N = first->N, G = K / 32, ld = gr->parts * N;
+    const int bytes = mant + expo + 1 == 32 ? 4 : 2;
+#pragma omp parallel
+    {
+        int16_t *scratch = words ? aligned_alloc(64, K * 16 * sizeof(int16_t)) : NULL;
+        Pending pending = {.rows = 0};
+        for (int64_t e = 0; e < gr->experts; e++) {
+            const int64_t start = gr->offsets[e], end = gr->offsets[e + 1];
+            for (int64_t p = 0; p < gr->parts; p++) {
+                const Layer *L = gr->layers[e * gr->parts + p];
+                const int spans = gr->spans[e] && L->f && scratch;
+                char *y_part = (char *)y + p * N * bytes;
+#pragma omp for schedule(static) nowait
+                for (int64_t b = 0; b < Np / 16; b++) {
+                    if (spans) expand(L->w + b * K * 8, L->f + b * G * 16, scratch, K);
+                    for (int64_t r = start; r < end; r += TILE_ROWS) {
+                        const int64_t rows = end - r < TILE_ROWS ? end - r : TILE_ROWS;
+#define ROW(i) (gr->source ? gr->source[r + (i < rows ? i : 0)] : r + (i < rows ? i : 0))
+                        const Out o = tile_out(NULL, y_part, e_rows, L->emin, r, N, ld, Np, mant,
+                                               expo);
+                        if (spans) {
+                            const int8_t *rsh = L->rsh;
+                            const uint8_t *ends = L->ends;
+                            ROW_POINTERS(const int16_t *, a_rows, words, ROW(i));
+                            if (L->unshifted[b]) BY_ROWS(rows, SPAN_TILE, scratch, 1)
+                            else BY_ROWS(rows, SPAN_TILE, scratch, 0)
+                        } else {
+                            const uint8_t *wb = L->w + b * K * (L->nibbles ? 8 : 16);
+                            const int32_t *wsum = L->wsum, *c = L->c;
+                            ROW_POINTERS(const uint8_t *, a_lo, lo, ROW(i));
+                            ROW_POINTERS(const uint8_t *, a_hi, hi, ROW(i));
+                            if (two && L->nibbles) TILES(1, 1) else if (two) TILES(1, 0)
+                            else if (L->nibbles) TILES(0, 1) else TILES(0, 0)
+                        }
+#undef ROW
+                    }
+                }
+            }
+        }
+        for (int i = 0; i < pending.rows; i++) finish_pending(&pending, i, Np);  // the last tile
+        free(scratch);
+    }
+}
+
+// native.grouped (and native.linear, one expert of one part) in one call (Python between the
+// passes cost more than the passes' own bookkeeping, measured): x [M, K] (format 0 bf16, 1 fp16,
+// 2 fp32, of mant_x and expo_x bits) quantized once, as the words the span kernel reads and the
+// limbs the limb kernel reads (quantize_limbs modes 2 and `two`), each only where an expert reads
+// it; then every expert's routed rows, rounded once into y (mant, expo). The quantized x goes
+// into `scratch` where its scratch_bytes hold it (a caller that keeps one across calls saves the
+// page faults of a fresh allocation), else into one of its own. Returns how many rows of x hold a non-finite value (y unwritten then), or -1
+// when a scratch could not be allocated.
+int64_t exact_grouped(const Grouped *gr, const void *x, int format, int mant_x, int expo_x,
+                      int64_t qmax, int two, int64_t M, void *y, int mant, int expo,
+                      uint8_t *scratch, int64_t scratch_bytes) {
+    const int64_t K = gr->layers[0]->K, rows = gr->offsets[gr->experts];
+    // words where an expert asks for the span kernel; limbs where one does not, or where a layer
+    // it would take lacks span scales (grouped_tiles then takes the limb kernel)
+    int any_spans = 0, any_limbs = 0;
+    for (int64_t e = 0; e < gr->experts; e++) {
+        any_spans |= gr->spans[e];
+        for (int64_t p = 0; p < gr->parts; p++) {
+            any_limbs |= !gr->spans[e] || !gr->layers[e * gr->parts + p]->f;
         }
     }
+    // on 64 bytes (malloc's 16 measured 0.1 ms slower): in the caller's scratch where it holds
+    // both (native.scratch_bytes), else allocated here
+    const int64_t words_bytes = any_spans ? (M * K * 2 + 63) / 64 * 64 : 0;
+    const int64_t limbs_bytes = any_limbs ? (M * K * (two ? 2 : 1) + 63) / 64 * 64 : 0;
+    const int own = !scratch || scratch_bytes < words_bytes + limbs_bytes;
+    uint8_t *block = own ? aligned_alloc(64, words_bytes + limbs_bytes + 64) : scratch;
+    int16_t *words = any_spans && block ? (int16_t *)block : NULL;
+    uint8_t *lo = any_limbs && block ? block + words_bytes : NULL;
+    int64_t *e_r = malloc(M * sizeof(int64_t)), *e_rows = malloc(rows * sizeof(int64_t));
+    int64_t bad = e_r && e_rows && block ? row_exponents(x, mant_x, expo_x, qmax, M, K, e_r) : -1;
+    if (bad == 0) {
+        uint8_t *hi = two && lo ? lo + M * K : lo;
+        if (words) quantize_limbs(x, format, M, K, e_r, (uint8_t *)words, (uint8_t *)words, 2);
+        if (lo) quantize_limbs(x, format, M, K, e_r, lo, hi, two);
+        for (int64_t r = 0; r < rows; r++) e_rows[r] = e_r[gr->source ? gr->source[r] : r];
+        grouped_tiles(gr, words, lo, hi, two, e_rows, y, mant, expo);
+    }
     free(e_r);
-    free(lo);
+    free(e_rows);
+    if (own) free(block);
     return bad;
 }

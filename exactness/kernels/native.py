@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from .. import dataflow
-from ..contract import GROUP_SIZE, FloatFormat, act_qmax, float_format
+from ..contract import BFLOAT16, GROUP_SIZE, FloatFormat, act_qmax, float_format
 from ..formats import check_finite, float_bits, torch_dtype
 from ..quantize import quantize_activations
 from .registry import Fit, Weights, no, yes
@@ -221,11 +221,11 @@ def _load(data: bytes, cache: Path) -> tuple[ctypes.CDLL | None, Fit]:
         "row_exponents": [ptr, i32, i32, i64, i64, i64, ptr],
         "quantize_limbs": [ptr, i32, i64, i64, ptr, ptr, ptr, i32],
         "round_rows": [ptr, i64, ptr, ptr, i64, i64, i32, i32, ptr],
-        "exact_linear": [ptr, ptr, i32, i32, i32, i64, i32, i64, ptr, i32, i32],
+        "exact_grouped": [ptr, ptr, i32, i32, i32, i64, i32, i64, ptr, i32, i32, ptr, i64],
     }
     try:
         for name, argtypes in signatures.items():
-            counts = name in ("row_exponents", "exact_linear")
+            counts = name in ("row_exponents", "exact_grouped")
             getattr(lib, name).restype = ctypes.c_int64 if counts else None
             getattr(lib, name).argtypes = argtypes
     except AttributeError as e:
@@ -235,12 +235,20 @@ def _load(data: bytes, cache: Path) -> tuple[ctypes.CDLL | None, Fit]:
 
 
 class Layer(ctypes.Structure):
-    """cpu_vnni.c's Layer: what exact_linear reads that does not change between forwards."""
+    """cpu_vnni.c's Layer: what exact_grouped reads of a layer that does not change between
+    forwards."""
 
     _fields_ = [(name, ctypes.c_void_p) for name in
                 ("w", "wsum", "c", "f", "rsh", "ends", "unshifted", "emin")] + [
         ("k", ctypes.c_int64), ("np", ctypes.c_int64), ("n", ctypes.c_int64),
         ("nibbles", ctypes.c_int32)]
+
+
+class Grouped(ctypes.Structure):
+    """cpu_vnni.c's Grouped: the experts, their layers and their routed rows of one call."""
+
+    _fields_ = [(name, ctypes.c_void_p) for name in ("layers", "offsets", "source", "spans")] + [
+        ("experts", ctypes.c_int64), ("parts", ctypes.c_int64)]
 
 
 class NativeWeights:
@@ -426,18 +434,54 @@ def round_rows(t: torch.Tensor, n: int, e_r: torch.Tensor, emin: torch.Tensor,
 
 def linear(x: torch.Tensor, act_bits: int, weights: NativeWeights, emin: torch.Tensor,
            out_format: FloatFormat, lib=None, spans: bool = False) -> torch.Tensor:
-    """The whole fast path for x [M, K], in one call of the C kernel (exact_linear: quantize,
-    then accumulate with the rounding fused, through exact_linear_spans with `spans`): y [M, N]
-    in `out_format` (raises on non-finite x)."""
+    """The whole fast path for x [M, K], in one call of the C kernel: `grouped` with one expert
+    of one part, every row routed to it (quantize, then accumulate with the rounding fused,
+    through the span kernel with `spans`): y [M, N] in `out_format` (raises on non-finite x)."""
+    return grouped(x, act_bits, [[(weights, emin)]], [spans], (0, x.shape[0]), None, out_format,
+                   lib)
+
+
+def scratch_bytes(rows: int, k: int) -> int:
+    """The most bytes exact_grouped's quantized x [rows, K] takes: words and two limbs."""
+    return 2 * (rows * k * 2 + 63) // 64 * 64
+
+
+def grouped(x: torch.Tensor, act_bits: int, experts, spans, offsets, source: torch.Tensor | None,
+            out_format: FloatFormat, lib=None, out: torch.Tensor | None = None,
+            scratch: torch.Tensor | None = None) -> torch.Tensor:
+    """One grouped call of the C kernel (exact_grouped) for x [M, K]: `experts` lists, for each
+    expert that has routed rows, its parts' (NativeWeights, emin) (gate and up: two parts of the
+    same K and N; down: one); spans[e] sends expert e through the span kernel (16-bit
+    activations, 4-bit weights). Expert e's routed rows are offsets[e] .. offsets[e + 1] (a
+    sequence of ints), and routed row r reads row source[r] of x (int64; None: row r). Returns
+    y [rows, parts * N] in `out_format`, part p of routed row r at columns p * N .. p * N + N
+    (into `out` where given); raises NonFiniteError (formats.check_finite) if x holds a
+    non-finite value. `scratch` (uint8, scratch_bytes long) holds the quantized x where given:
+    a caller that keeps it across calls saves the page faults of a fresh allocation."""
     lib = lib or library()
     fmt = float_format(x.dtype)
     x = x.contiguous()
-    y = torch.empty((x.shape[0], weights.n), dtype=torch_dtype(out_format))
-    mode = quantize_mode(act_bits, spans)
-    bad = lib.exact_linear(ctypes.byref(weights.layer(emin, spans)), x.data_ptr(),
-                           FORMAT_CODES[fmt.name], fmt.mant_bits, fmt.exp_bits,
-                           act_qmax(act_bits), mode, x.shape[0], y.data_ptr(),
-                           out_format.mant_bits, out_format.exp_bits)
+    layers = [w.layer(emin, use_spans) for parts, use_spans in zip(experts, spans, strict=True)
+              for w, emin in parts]
+    table = (ctypes.c_void_p * len(layers))(*map(ctypes.addressof, layers))
+    offsets = (ctypes.c_int64 * len(offsets))(*offsets)
+    kinds = (ctypes.c_uint8 * len(spans))(*map(bool, spans))
+    if source is not None:
+        source = source.to(torch.int64).contiguous()
+    parts = len(experts[0])
+    shape = (offsets[-1], parts * layers[0].n)
+    y = torch.empty(shape, dtype=torch_dtype(out_format)) if out is None else out
+    if y.shape != shape or y.dtype != torch_dtype(out_format) or not y.is_contiguous():
+        raise ValueError(f"out must be a contiguous {shape} tensor of {out_format.name}")
+    call = Grouped(ctypes.addressof(table), ctypes.addressof(offsets),
+                   None if source is None else source.data_ptr(), ctypes.addressof(kinds),
+                   len(experts), parts)
+    bad = lib.exact_grouped(ctypes.byref(call), x.data_ptr(), FORMAT_CODES[fmt.name],
+                            fmt.mant_bits, fmt.exp_bits, act_qmax(act_bits),
+                            int(dataflow.act_limbs(act_bits) == 2), x.shape[0], y.data_ptr(),
+                            out_format.mant_bits, out_format.exp_bits,
+                            None if scratch is None else scratch.data_ptr(),
+                            0 if scratch is None else scratch.numel())
     if bad < 0:
         raise MemoryError(f"no memory for the activations of x {tuple(x.shape)}")
     if bad:
@@ -516,7 +560,7 @@ def _self_check(lib) -> Fit:
                                                                          + emin[None, :], fmt)):
                         return no(f"its self-check failed on the fused rounding to {fmt.name} "
                                   f"({where})")
-    # the one-call path (exact_linear), through either kernel, against exact_linear_vnni's passes
+    # the one-call path (exact_grouped), through either kernel, against exact_linear_vnni's passes
     # (checked above); one group too (fewer than a tile's rows: the span kernel's rounding of the
     # tile before then waits past the tile's end)
     for k, act_bits, m in ((256, 16, SPAN_MIN_ROWS), (32, 16, SPAN_MIN_ROWS + 2), (256, 16, 3),
@@ -532,8 +576,29 @@ def _self_check(lib) -> Fit:
             want = accumulate(lo, hi, act_bits, weights, lib, (e_r, emin, fmt))
             spans = act_bits == 16 and m >= SPAN_MIN_ROWS
             if not torch.equal(linear(x, act_bits, weights, emin, fmt, lib, spans), want):
-                return no(f"its self-check failed on the one-call path (exact_linear, K = {k}, "
+                return no(f"its self-check failed on the one-call path (exact_grouped, K = {k}, "
                           f"{m} rows, act_bits {act_bits}, {fmt.name})")
+    # a grouped call of three experts of two parts (the span kernel for one of them), rows
+    # gathered from x in another order, against the one-call path on each expert's own rows
+    for act_bits in (16, 8):
+        layers = [[(NativeWeights(torch.randint(-8, 8, (20, 64), generator=g),
+                                  torch.randint(-255, 256, (20, 2), generator=g,
+                                                dtype=torch.int32)),
+                    torch.randint(-9, 9, (20,), generator=g)) for _ in range(2)]
+                  for _ in range(3)]
+        spans = [False, act_bits == 16, False]
+        counts = [5, SPAN_MIN_ROWS, 1]
+        source = torch.randint(0, 7, (sum(counts),), generator=g)
+        offsets = torch.tensor([0, *counts]).cumsum(0).tolist()
+        x = torch.randn(7, 64, generator=g).bfloat16()
+        got = grouped(x, act_bits, layers, spans, offsets, source, BFLOAT16, lib)
+        for e, parts in enumerate(layers):
+            rows = source[offsets[e]:offsets[e + 1]]
+            for p, (weights, emin) in enumerate(parts):
+                want = linear(x[rows], act_bits, weights, emin, BFLOAT16, lib, spans[e])
+                if not torch.equal(got[offsets[e]:offsets[e + 1], 20 * p:20 * p + 20], want):
+                    return no(f"its self-check failed on a grouped call (exact_grouped, expert "
+                              f"{e}, part {p}, act_bits {act_bits})")
     t = torch.randint(-(2**62), 2**62, (4, 67), generator=g) >> torch.randint(0, 62, (4, 67),
                                                                             generator=g)
     t[0, :8] = torch.tensor([0, 1, -1, 3, -3, 2**62, -(2**62), 5])
@@ -559,9 +624,10 @@ def _self_check(lib) -> Fit:
 
 
 class _VnniKernel:
-    """cpu_vnni.c's one-call path (exact_linear), through the limb or the span kernel."""
+    """cpu_vnni.c's one-call path (exact_grouped, one expert), through the limb or the span
+    kernel."""
 
-    family, layout, auto = "cpu", "vnni", True
+    family, layout, auto, grouped = "cpu", "vnni", True, False
 
     def __init__(self, name: str, spans: bool, min_rows: int):
         self.name, self.spans, self.min_rows = name, spans, min_rows
@@ -588,6 +654,52 @@ class _VnniKernel:
                       spans=self.spans)
 
 
+def takes_spans(rows: int, weights: Weights) -> bool:
+    """Whether `rows` rows against `weights` go through the span kernel, where the plan would
+    send them: 16-bit activations, 4-bit weights, from SPAN_MIN_ROWS rows on."""
+    return weights.act_bits == 16 and weights.bits == 4 and rows >= SPAN_MIN_ROWS
+
+
+class _VnniGroupedKernel(_VnniKernel):
+    """cpu_vnni.c's grouped call (exact_grouped): every routed expert's rows in one call, each
+    expert's through the kernel the plan would take for that many rows (takes_spans). As a
+    layer's kernel (kernel="vnni-grouped"): one expert, every row routed to it."""
+
+    auto, grouped, reads = False, True, "derived"
+
+    def __init__(self):
+        super().__init__("vnni-grouped", spans=False, min_rows=0)
+
+    def run(self, x, weights: Weights, prepared: NativeWeights, out_format: FloatFormat):
+        return linear(x, weights.act_bits, prepared, weights.certificate.emin, out_format,
+                      spans=takes_spans(x.shape[0], weights))
+
+    def run_grouped(self, x, routing, experts, bits: int, act_bits: int, out_format: FloatFormat,
+                    gather: bool, workspace=None):
+        """(y [routed rows, parts * N], None): `experts` [E] holds, for each expert with routed
+        rows, its parts' (Weights, NativeWeights) of these widths, None for the others; routed
+        row r reads row routing.token[r] of x where `gather`, else row r (x then in routing
+        order already). With a `workspace` (moe.Workspace), y and the quantized x are its
+        buffers, which its next use overwrites. Raises NonFiniteError for a non-finite x."""
+        offsets = routing.offsets.tolist()
+        active = [e for e, parts in enumerate(experts) if parts is not None]
+        spans = [takes_spans(offsets[e + 1] - offsets[e], experts[e][0][0]) for e in active]
+        ends = [0, *(offsets[e + 1] - offsets[e] for e in active)]
+        routed = offsets[routing.experts]
+        source = routing.token[:routed] if gather else None
+        lists = [[(prepared, weights.certificate.emin) for weights, prepared in experts[e]]
+                 for e in active]
+        offsets = torch.tensor(ends).cumsum(0).tolist()
+        out = scratch = None
+        if workspace is not None:
+            n = len(lists[0]) * lists[0][0][0].n
+            out = workspace.get("y", (offsets[-1], n), torch_dtype(out_format), x.device)
+            scratch = workspace.get("x", (scratch_bytes(*x.shape),), torch.uint8, x.device)
+        return grouped(x, act_bits, lists, spans, offsets, source, out_format, out=out,
+                       scratch=scratch), None
+
+
 # spans pay for expanding the weights once per forward from SPAN_MIN_ROWS rows on
 SPANS = _VnniKernel("vnni-spans", spans=True, min_rows=SPAN_MIN_ROWS)
 LIMBS = _VnniKernel("vnni-limbs", spans=False, min_rows=0)
+GROUPED = _VnniGroupedKernel()

@@ -9,6 +9,11 @@ A kernel is one way to compute the layer's output bits. It answers four calls:
 The first two return a `Fit`: true or false, and why. A kernel computes every weight row the
 certificate calls fast; the layer splices the other rows in from the `wide` kernel.
 
+A grouped kernel (`grouped` true) also computes one projection of every routed expert of an MoE
+layer in one call (exactness.moe): `run_grouped(x, routing, experts, bits, act_bits, out_format,
+gather)`. What it reads of the experts (`reads`) is each routed expert's `Weights` and prepared
+data ("derived"), or every expert's live buffers ("buffers").
+
 `plan` picks the first kernel of the registry (kernels/__init__.py, fastest first) that runs
 here, holds the inputs, and is preferred at this many rows. A forced kernel (`kernel=` or
 `EXACTNESS_KERNEL`) that cannot run raises `KernelUnavailableError`: never a silent substitute.
@@ -73,6 +78,7 @@ class Kernel(Protocol):
     layout: str  # kernels of one layout share one prepared object per layer (and device)
     min_rows: int  # the plan prefers it from this many rows on (measured: docs/PERFORMANCE.md)
     auto: bool  # whether the plan may pick it unasked
+    grouped: bool  # whether it also runs an MoE layer's experts in one call (run_grouped)
 
     def available(self, device: torch.device) -> Fit: ...
 
@@ -105,6 +111,27 @@ def by_name(kernels, name: str) -> Kernel:
             return kernel
     raise ContractValueError(f"no kernel named {name!r}; registered: "
                              f"{[k.name for k in kernels]}")
+
+
+def plan_grouped(kernels, family: str, device: torch.device, forced: str | None = None) -> Plan:
+    """The grouped kernel an MoE layer's experts on `device` take (`forced`: that one, by name),
+    or KernelUnavailableError saying why none runs."""
+    if forced:
+        kernel = by_name(kernels, forced)
+        fit = kernel.available(device) if kernel.grouped else no("it is no grouped kernel")
+        if not fit:
+            raise KernelUnavailableError(f"kernel {forced!r} was asked for ({ENV}=), but "
+                                         f"{fit.why}")
+        return Plan(kernel, f"asked for by {ENV}={forced}", 0)
+    passed = []
+    for kernel in kernels:
+        if not kernel.grouped or kernel.family != family:
+            continue
+        fit = kernel.available(device)
+        if fit:
+            return Plan(kernel, fit.why, 0, tuple(passed))
+        passed.append((kernel.name, fit.why))
+    raise KernelUnavailableError(f"no grouped {family} kernel runs here: {passed}")
 
 
 def plan(kernels, family: str, device: torch.device, rows: int, weights: Weights,

@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 from .. import dataflow
 from ..contract import FORMATS
-from . import triton_exact
+from . import triton_exact, triton_grouped
 
 ARCHS = (80, 90)  # A100, H100/H200
 # an int8 x int8 -> int32 tensor-core MMA: mma.sync (sm_80 on), or Hopper's warpgroup wgmma,
@@ -69,6 +69,11 @@ def _argument_types(kernel: str, width: int, z: str = "*i32") -> dict:
     if kernel == "combine_kernel":  # z: the int32 limb GEMMs, or a split launch's int64 T
         return dict(z_ptr=z, sum_ptr="*i64", e_ptr="*i64", emin_ptr="*i64",
                     y_ptr=f"*i{width}", M="i32", N="i32", stride_zm="i32", stride_ym="i32")
+    if kernel == "grouped_kernel":  # triton_grouped.grouped_launch
+        return dict(a_ptr="*i8", e_ptr="*i64", source_ptr="*i64", block_rows_ptr="*i64",
+                    block_expert_ptr="*i64", used_ptr="*i64", table_ptr="*i64",
+                    trouble_ptr="*i32", y_ptr=f"*i{width}", rows_total="i32", N="i32", K="i32",
+                    stride_limb="i32", stride_am="i32", stride_ym="i32")
     return dict(a_ptr="*i8", w_ptr="*i32", f_ptr="*i32", r_ptr="*i64", e_ptr="*i64",
                 emin_ptr="*i64", y_ptr=f"*i{width}", t_ptr="*i64", M="i32", N="i32", G="i32",
                 groups_per_slice="i32", stride_limb="i32", stride_am="i32", stride_wn="i32",
@@ -120,6 +125,19 @@ def configurations(quick: bool = False) -> list[tuple[str, str, dict, dict]]:
                                 _argument_types("combine_kernel", out.width),
                                 triton_exact.combine_constants(
                                     a_limbs, w_limbs, out, triton_exact.GPU_COMBINE_BLOCK)))
+    # the grouped MoE kernel: gate and up (two parts, rows gathered by token), down (one part)
+    for w_bits in (4,) if quick else (4, 8):
+        for act_bits in (16,) if quick else (8, 16):
+            for out in formats:
+                for parts, gather in ((2, True), (1, False)):
+                    configs.append(("grouped_kernel", f"w_bits {w_bits}, act_bits {act_bits}, "
+                                    f"out {out.name}, {parts} part(s)"
+                                    f"{', gathered' if gather else ''}",
+                                    _argument_types("grouped_kernel", out.width),
+                                    triton_grouped.grouped_constants(
+                                        w_bits, act_bits, 7168 if parts == 2 else 2048, out,
+                                        parts, gather, triton_exact.BLOCK_M,
+                                        triton_exact.GPU_BLOCK_N)))
     return configs
 
 
@@ -231,9 +249,11 @@ def compile_all(archs=ARCHS, quick: bool = False, tiles: bool = False,
     records = []
     for arch in archs:
         for kernel, config, types, constants, warps in configs:
-            records.append(compile_kernel(getattr(triton_exact, kernel), types, constants, arch,
-                                          kernel, config, kernel == "exact_group_kernel", warps,
-                                          aligned))
+            source = triton_grouped if kernel == "grouped_kernel" else triton_exact
+            records.append(compile_kernel(getattr(source, kernel), types, constants, arch,
+                                          kernel, config,
+                                          kernel in ("exact_group_kernel", "grouped_kernel"),
+                                          warps, aligned))
     return records
 
 

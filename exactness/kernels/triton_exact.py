@@ -122,18 +122,24 @@ if triton is not None:
         return tl.where(m == 0, 0, bits)
 
     @triton.jit
-    def store_rounded(t, e_ptr, emin_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, stride_ym,
-                      OUT_MANT: tl.constexpr, OUT_EXP: tl.constexpr):
-        """The one rounding, from the exact int64 T: y = RNE(T * 2**(e_r + emin)), stored as
-        the output's bit patterns."""
-        e_r = tl.load(e_ptr + offs_m, mask=mask_m, other=0)
-        emin = tl.load(emin_ptr + offs_n, mask=mask_n, other=0)
-        bits = round_scaled(t, e_r[:, None] + emin[None, :], OUT_MANT, OUT_EXP)
+    def store_exact(t, e, y_ptrs, mask, OUT_MANT: tl.constexpr, OUT_EXP: tl.constexpr):
+        """The one rounding, from the exact int64 T: y = RNE(T * 2**e), stored at y_ptrs as the
+        output's bit patterns."""
+        bits = round_scaled(t, e, OUT_MANT, OUT_EXP)
         width: tl.constexpr = OUT_MANT + OUT_EXP + 1
         sign = (bits * 0 + 1) << (width - 1)
         signed = tl.where(bits >= sign, bits - 2 * sign, bits)  # the bits as the int view
-        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-        tl.store(y_ptrs, signed.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        tl.store(y_ptrs, signed.to(y_ptrs.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def store_rounded(t, e_ptr, emin_ptr, y_ptr, offs_m, offs_n, mask_m, mask_n, stride_ym,
+                      OUT_MANT: tl.constexpr, OUT_EXP: tl.constexpr):
+        """store_exact of the tile [offs_m, offs_n]: y = RNE(T * 2**(e_r + emin))."""
+        e_r = tl.load(e_ptr + offs_m, mask=mask_m, other=0)
+        emin = tl.load(emin_ptr + offs_n, mask=mask_n, other=0)
+        store_exact(t, e_r[:, None] + emin[None, :],
+                    y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :],
+                    mask_m[:, None] & mask_n[None, :], OUT_MANT, OUT_EXP)
 
     @triton.jit
     def unpack_fields(words, shifts, W_BITS: tl.constexpr):
@@ -507,7 +513,7 @@ class _TritonKernel:
     the folded GEMM (`linear_folded`), in blocks of rows that keep each launch's offsets in int32
     (rows_per_launch); the non-finite flags are read back once every launch is queued."""
 
-    family, layout, auto = "triton", "triton", True
+    family, layout, auto, grouped = "triton", "triton", True, False
 
     def __init__(self, name: str, folded: bool, min_rows: int):
         self.name, self.folded, self.min_rows = name, folded, min_rows

@@ -112,7 +112,7 @@ def linear_rows(x: torch.Tensor, weights: Weights, rows: torch.Tensor | None,
 
 
 class _WideKernel:
-    name, family, layout, min_rows = "wide", "any", "wide", 0
+    name, family, layout, min_rows, grouped = "wide", "any", "wide", 0, False
     auto = False  # the slow rows' kernel, or asked for by name: never the plan's own choice
 
     def available(self, device: torch.device) -> Fit:

@@ -1,11 +1,12 @@
 """Counterexample files: one stable, self-contained format for every failure the project finds.
 
 A failure found by Hypothesis, refuted by a proof, or met in a user's own input is written as the
-same JSON document (format "exactness-counterexample", version 1): the contract input as bit
+same JSON document (format "exactness-counterexample", version 2): the contract input as bit
 patterns (hex, like the contract vectors in exactness/suite/data), the path that failed, the
-expected and actual output bits, and the library versions. Files are written atomically and
-replay with `python -m exactness repro`; `read` refuses (CounterexampleFileError) any file it
-cannot take exactly as written.
+expected and actual output bits, and the library versions. Version 2 adds a grouped projection's
+routing ("experts", "parts" and "routing", as cases.LinearCase holds them); version 1 files still
+read. Files are written atomically and replay with `python -m exactness repro`; `read` refuses
+(CounterexampleFileError) any file it cannot take exactly as written.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from .cases import LinearCase
 from .paths import PATHS
 
 FORMAT = "exactness-counterexample"
-VERSION = 1
+VERSION = 2
 def default_dir() -> Path:
     return Path(os.environ.get("EXACTNESS_COUNTEREXAMPLES", "reports/counterexamples"))
 
@@ -69,6 +70,9 @@ def to_document(case: LinearCase, *, path: str, expected=None, actual=None, sour
         "actual_bits": None if actual is None else _rows(actual, case.out_format.width),
         "versions": _versions(),
     }
+    if case.routing is not None:
+        doc["experts"], doc["parts"] = case.experts, case.parts
+        doc["routing"] = [[int(e) for e in row] for row in case.routing]
     return doc
 
 
@@ -78,7 +82,8 @@ def write(case: LinearCase, *, path: str, expected=None, actual=None, source: st
     doc = to_document(case, path=path, expected=expected, actual=actual, source=source, note=note)
     text = json.dumps(doc, indent=1)
     key = hashlib.sha256(json.dumps([doc["x_bits"], doc["weight_packed"],
-                                     doc["weight_scale_bits"], doc["act_bits"], path]).encode())
+                                     doc["weight_scale_bits"], doc["act_bits"], path,
+                                     doc.get("routing")]).encode())
     directory = Path(directory or default_dir())
     directory.mkdir(parents=True, exist_ok=True)
     target = directory / f"{path}-{key.hexdigest()[:12]}.json"
@@ -102,7 +107,7 @@ def read(file: Path | str) -> tuple[LinearCase, dict]:
     """(the case, the whole document). A file that is not a complete version-1 document, every
     pattern within its width, raises CounterexampleFileError naming the key or row at fault:
     nothing is masked or guessed, so a replay is of exactly what the file holds."""
-    doc = _load(file)
+    doc = _load(file)  # version 1 or 2
     _field(file, doc, "source", str)  # replay prints source and note
     _field(file, doc, "note", str, optional=True)
     path = _field(file, doc, "path", str)
@@ -121,7 +126,10 @@ def read(file: Path | str) -> tuple[LinearCase, dict]:
     x_bits = _patterns(file, doc, "x_bits", x_format.width, (m, k))
     packed = _patterns(file, doc, "weight_packed", 32, (n, k * w_bits // 32))
     scale_bits = _patterns(file, doc, "weight_scale_bits", BFLOAT16.width, (n, k // GROUP_SIZE))
-    expected = _patterns(file, doc, "expected_bits", out_format.width, (m, n), optional=True)
+    experts, parts, routing = _routing(file, doc, m, n)
+    outputs = n if routing is None else routing.shape[1] * n // experts
+    expected = _patterns(file, doc, "expected_bits", out_format.width, (m, outputs),
+                         optional=True)
     # any shape: check_bits writes a wrong-shaped output as it was
     _patterns(file, doc, "actual_bits", out_format.width, None, optional=True)
     # the contract refuses inf and NaN inputs: such a file has no output to replay
@@ -131,8 +139,41 @@ def read(file: Path | str) -> tuple[LinearCase, dict]:
     case = LinearCase(
         x_bits=x_bits, x_format=x_format, q=unpack_weights(packed, w_bits).astype(np.int64),
         weight_packed=packed, scale_bits=scale_bits, act_bits=act_bits, out_format=out_format,
-        w_bits=w_bits, expected=expected, name=Path(file).stem)
+        w_bits=w_bits, expected=expected, name=Path(file).stem, routing=routing, experts=experts,
+        parts=parts)
     return case, doc
+
+
+def _routing(file, doc: dict, m: int, n: int) -> tuple[int, int, np.ndarray | None]:
+    """(experts, parts, routing [M, top_k] int64 or None) of a grouped projection's file:
+    experts a divisor of N, parts of N / experts, each row the same number of ids in
+    [0, experts], no expert twice in a row (the product refuses that: kernels.routing)."""
+    if not {"routing", "experts", "parts"} & set(doc):
+        return 1, 1, None
+    if doc["version"] < 2:
+        raise _error(file, "routing", "a grouped projection's routing needs format version 2")
+    experts = _field(file, doc, "experts", int)
+    if experts < 1 or n % experts:
+        raise _error(file, "experts", f"must divide N = {n}, got {experts}")
+    parts = _field(file, doc, "parts", int)
+    if parts < 1 or n // experts % parts:
+        raise _error(file, "parts", f"must divide N / experts = {n // experts}, got {parts}")
+    rows = _field(file, doc, "routing", list)
+    if len(rows) != m:
+        raise _error(file, "routing", f"has {len(rows)} rows, expected M = {m}")
+    top_k = len(rows[0]) if isinstance(rows[0], list) else 0
+    for r, row in enumerate(rows):
+        if not isinstance(row, list) or len(row) != top_k or not top_k:
+            raise _error(file, f"routing row {r}", f"must be a list of {top_k or 'some'} ids, "
+                         f"got {_show(row)}")
+        for c, e in enumerate(row):
+            if isinstance(e, bool) or not isinstance(e, int) or not 0 <= e <= experts:
+                raise _error(file, f"routing row {r}, column {c}",
+                             f"{_show(e)} is no expert id in [0, {experts}]")
+        named = [e for e in row if e != experts]
+        if len(set(named)) != len(named):
+            raise _error(file, f"routing row {r}", f"names an expert twice: {row}")
+    return experts, parts, np.array(rows, dtype=np.int64)
 
 
 def _error(file, where: str, problem: str) -> CounterexampleFileError:
@@ -157,8 +198,8 @@ def _load(file) -> dict:
     version = doc.get("version")
     if type(version) is int and version > VERSION:  # type(): true is no version
         raise _error(file, "version", f"format version {version} is newer than {VERSION}")
-    if type(version) is not int or version != VERSION:
-        raise _error(file, "version", f"must be {VERSION}, got {_show(version)}")
+    if type(version) is not int or version not in (1, VERSION):
+        raise _error(file, "version", f"must be 1 or {VERSION}, got {_show(version)}")
     return doc
 
 

@@ -339,6 +339,17 @@ BATCH = "tests/test_modules.py::test_batch_and_permutation_invariance"
 NON_FINITE = "tests/test_errors.py::test_layer_non_finite_x_counts[triton-group]"
 QUANTIZE_SLICES = "tests/test_modules.py::test_the_quantize_kernel_at_any_slicing_and_tile"
 SPANS_EDGE = "tests/test_modules.py::test_span_kernel_at_the_int32_edge"
+GROUPED_KERNEL = "exactness.kernels.triton_grouped:grouped_kernel"
+
+
+def grouped(path: str) -> str:
+    """The property: a grouped kernel's projection against the reference."""
+    return f"tests/test_moe.py::test_grouped_projection_matches_reference[{path}]"
+
+
+def moe_block(backend: str) -> str:
+    """The property: the grouped MoE block against transformers' per-expert loop."""
+    return f"tests/test_moe.py::test_grouped_experts_match_transformers_loop[{backend}]"
 
 CATALOGUE = (
     # --- packing and decoding
@@ -558,8 +569,8 @@ CATALOGUE = (
            "for (int64_t k = 0; k < M * K; k++) {",
            "one activation scale for the whole batch, in C", (CPU, BATCH)),
     Mutant("vnni-one-call-high-limb-is-the-low", C_KERNEL,
-           "uint8_t *hi = mode == 1 ? lo + M * K : lo;", "uint8_t *hi = lo;",
-           "the one-call path (exact_linear) hands the low limbs in as the high ones too",
+           "uint8_t *hi = two && lo ? lo + M * K : lo;", "uint8_t *hi = lo;",
+           "the one-call path (exact_grouped) hands the low limbs in as the high ones too",
            (CPU, CPU_VECTORS)),
     Mutant("vnni-rounding-ties-up", C_KERNEL, "_mm512_cmpeq_epi64_mask(rem, half) & odd;",
            "_mm512_cmpeq_epi64_mask(rem, half);",
@@ -609,4 +620,36 @@ CATALOGUE = (
            "                d0[i] = _mm512_setzero_si512();",
            "one of a row's two partial sums carried into the next span",
            (SPANS, SPANS_VECTORS)),
+    # --- the grouped MoE kernels (issue 22)
+    Mutant("grouped-neighbouring-experts-weights", C_KERNEL,
+           "const Layer *L = gr->layers[e * gr->parts + p];",
+           "const Layer *L = gr->layers[(e + 1) % gr->experts * gr->parts + p];",
+           "the tokens routed to one expert run through the neighbouring expert's weights",
+           (grouped("vnni-grouped"), moe_block("cpu"))),
+    Mutant("grouped-expert-stride-off-by-one", C_KERNEL,
+           "const Layer *L = gr->layers[e * gr->parts + p];",
+           "const Layer *L = gr->layers[e * (gr->parts - 1) + p];",
+           "the expert stride of the table of (expert, part) layers off by one",
+           (grouped("vnni-grouped"), moe_block("cpu"))),
+    Mutant("grouped-blocks-of-the-neighbouring-expert", "exactness.kernels.triton_grouped:blocks",
+           "torch.searchsorted(ends, block, right=True)",
+           "torch.searchsorted(ends, block, right=False)",
+           "the GPU schedule's block of an expert's rows given the expert before it: its rows "
+           "never computed", (grouped("triton-grouped"), moe_block("triton"))),
+    Mutant("grouped-last-blocks-padding-stored-as-a-token", GROUPED_KERNEL,
+           "valid[:, None] & mask_n[None, :], OUT_MANT, OUT_EXP)",
+           "mask_n[None, :], OUT_MANT, OUT_EXP)",
+           "the padding of an expert's last block of rows read as a token and stored over a "
+           "routed row", (grouped("triton-grouped"), moe_block("triton"))),
+    Mutant("grouped-table-stride-off-by-one", GROUPED_KERNEL,
+           "entry = table_ptr + (expert * PARTS + part) * 4",
+           "entry = table_ptr + (expert * (PARTS - 1) + part) * 4",
+           "the expert stride of the GPU's table of layers off by one: another expert's (or "
+           "part's) weights", (grouped("triton-grouped"), moe_block("triton"))),
+    Mutant("grouped-row-sent-to-the-wrong-token", "exactness.moe:weighted_sum",
+           "row_of[routing.pair] = torch.arange(pairs, device=rows.device)",
+           "row_of = routing.pair.clone()",
+           "the routing's permutation taken for its inverse: a row's result summed into the "
+           "wrong token", (moe_block("cpu"), "tests/test_moe.py::"
+                           "test_kimi_moe_grouped_matches_its_per_expert_loop[cpu]")),
 )

@@ -4,11 +4,16 @@ Paths: "oracle" (Python integers), "reference" (numpy int64), "cpu" and "triton"
 that backend, as its plan picks), and every registered kernel by name (the layer with that
 kernel forced: exactness.kernels.REGISTRY). "triton" runs on a GPU, or on CPU under
 TRITON_INTERPRET=1.
+
+A case with routing (a grouped projection's) runs on a grouped kernel as an MoE layer runs it
+(exactness.moe.projection: one expert's layer per expert, the rows routed to them), and on
+every other path as one layer of all the experts' weights, each row's routed outputs kept.
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -53,6 +58,11 @@ def available_paths(case: LinearCase | None = None) -> list[str]:
     return paths
 
 
+def grouped_paths() -> list[str]:
+    """The grouped kernels that run here (they hold every case)."""
+    return [k.name for k in REGISTRY if k.grouped and k.name in available_paths()]
+
+
 def layer_for(case: LinearCase, path: str, device: str = "cpu"):
     """The layer of `case`'s weights on `path`: a backend ("cpu", "triton") or a kernel name."""
     from ..modules import ExactLinear
@@ -72,7 +82,13 @@ def layer_for(case: LinearCase, path: str, device: str = "cpu"):
 
 
 def run(case: LinearCase, path: str) -> np.ndarray:
-    """The output bit patterns [M, N] of `case` computed by `path`."""
+    """The output bit patterns [M, N] of `case` computed by `path` ([M, top_k * N / experts]
+    with routing)."""
+    if case.routing is not None:
+        kernel = next((k for k in REGISTRY if k.name == path), None)
+        if kernel is not None and kernel.grouped:
+            return run_grouped(case, kernel)
+        return routed_outputs(run(replace(case, routing=None, experts=1, parts=1), path), case)
     args = (case.x_bits, case.x_format, case.weight_packed, case.scale_bits)
     if path == "oracle":
         return np.array(oracle_linear(*args, **case.kwargs()), dtype=np.int64)
@@ -92,3 +108,42 @@ def run(case: LinearCase, path: str) -> np.ndarray:
     layer = layer_for(case, path, device)
     x = bits_to_tensor(case.x_bits, case.x_format).to(device)
     return tensor_to_bits(layer(x))
+
+
+def routed_outputs(y: np.ndarray, case: LinearCase) -> np.ndarray:
+    """Each row's routed outputs [M, top_k * N / experts] of all the experts' outputs y [M, N]:
+    slot s of row t is its expert's block of y, zeros for no expert."""
+    m, top_k = case.routing.shape
+    per = case.shape[2] // case.experts
+    blocks = np.concatenate([y, np.zeros((m, per), y.dtype)], axis=1).reshape(m, -1, per)
+    return blocks[np.arange(m)[:, None], case.routing].reshape(m, top_k * per)
+
+
+def run_grouped(case: LinearCase, kernel) -> np.ndarray:
+    """`case`'s routed outputs by the grouped kernel `kernel`, as an MoE layer runs it: each
+    expert's parts layers of their own on the kernel's backend, one grouped call
+    (moe.projection)."""
+    from ..kernels.routing import route
+    from ..moe import projection
+
+    m, k, n = case.shape
+    per = n // case.experts
+    device = device_of(kernel.name)
+
+    def layer(rows: slice):
+        return layer_for(replace(case, q=case.q[rows], weight_packed=case.weight_packed[rows],
+                                 scale_bits=case.scale_bits[rows], routing=None, experts=1,
+                                 parts=1), kernel.family, device)
+
+    size = per // case.parts
+    layers = [[layer(slice(e * per + p * size, e * per + (p + 1) * size))
+               for p in range(case.parts)] for e in range(case.experts)]
+    routing = route(torch.from_numpy(case.routing).to(device), case.experts)
+    x = bits_to_tensor(case.x_bits, case.x_format).to(device)
+    y = tensor_to_bits(projection(layers, x, routing, gather=True, kernel=kernel))
+    out = np.zeros((m, case.routing.shape[1] * per), dtype=np.int64)
+    pairs = routing.pair[:int(routing.routed)].cpu().numpy()
+    for row, pair in enumerate(pairs):
+        t, slot = divmod(int(pair), case.routing.shape[1])
+        out[t, slot * per:(slot + 1) * per] = y[row]
+    return out

@@ -19,7 +19,7 @@ from ..contract import BFLOAT16, GROUP_SIZE, FloatFormat
 from ..formats import decode, is_finite
 from .cases import LinearCase
 from .counterexamples import CounterexampleFileError, _count, read
-from .paths import available_paths, run
+from .paths import available_paths, grouped_paths, run
 from .reference import quantize_activations
 
 
@@ -44,6 +44,8 @@ def bit_name(position: int, fmt: FloatFormat) -> str:
 
 
 def dominant_group(case: LinearCase, r: int, n: int) -> int:
+    """The group whose term dominates output (r, n) (weight row n; case.weight_row maps a
+    grouped projection's column)."""
     qa, _ = quantize_activations(case.x_bits[r:r + 1], case.x_format, case.act_bits)
     terms = []
     for g in range(case.shape[1] // GROUP_SIZE):
@@ -60,8 +62,13 @@ def diff(case: LinearCase, got: np.ndarray, want: np.ndarray, limit: int = 5) ->
     lines = [f"{len(where)} of {want.size} outputs differ"]
     for r, n in where[:limit]:
         x = int(got[r, n]) ^ int(want[r, n])
+        row = case.weight_row(r, n)
+        term = "no expert" if row >= case.shape[2] else \
+            f"largest term: group {dominant_group(case, r, row)}"
+        if case.routing is not None and row < case.shape[2]:
+            term = f"expert {row // (case.shape[2] // case.experts)}, {term}"
         lines.append(
-            f"  row {r}, out {n} (largest term: group {dominant_group(case, r, n)}): "
+            f"  row {r}, out {n} ({term}): "
             f"expected {describe_bits(want[r, n], fmt)}, got {describe_bits(got[r, n], fmt)}; "
             f"first differing bit: {bit_name(x.bit_length() - 1, fmt)}")
     return lines
@@ -72,8 +79,10 @@ def replay(file: str, paths: list[str] | None = None, out=None) -> int:
     out = sys.stdout if out is None else out  # looked up now: a later redirect applies
     case, doc = read(file)
     m, k, n = case.shape
-    print(f"{file}: {doc['source']} counterexample for path {doc['path']!r}, M={m} K={k} N={n}, "
-          f"act_bits={case.act_bits}, w_bits={case.w_bits}, {case.x_format.name} -> "
+    routed = "" if case.routing is None else \
+        f" ({case.experts} experts, top_k={case.routing.shape[1]})"
+    print(f"{file}: {doc['source']} counterexample for path {doc['path']!r}, M={m} K={k} N={n}"
+          f"{routed}, act_bits={case.act_bits}, w_bits={case.w_bits}, {case.x_format.name} -> "
           f"{case.out_format.name}", file=out)
     if doc.get("note"):
         print(f"  note: {doc['note']}", file=out)
@@ -83,7 +92,9 @@ def replay(file: str, paths: list[str] | None = None, out=None) -> int:
         print("\n".join(diff(case, case.expected, want)), file=out)
     failing = 0
     if not paths:
-        paths = sorted((set(available_paths(case)) | {doc["path"]}) - {"reference"})
+        grouped = grouped_paths() if case.routing is not None else []
+        paths = sorted((set(available_paths(case)) | set(grouped) | {doc["path"]})
+                       - {"reference"})
         if m * k * n > 2**20:  # the Fraction oracle would take minutes: the reference suffices
             paths.remove("oracle")
     for path in paths:

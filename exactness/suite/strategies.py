@@ -274,3 +274,87 @@ def final_rounding_at_the_top(draw):
     shifts = draw(st.lists(st.integers(0, 1), min_size=n, max_size=n))
     scales = np.array([[round_scaled(1, shift, BFLOAT16)] for shift in shifts])
     return LinearCase(x, f32, q, pack_weights(q, 4), scales, 16, fp16)
+
+
+# --------------------------------------------------------------------------- routed cases
+
+ROUTING_KINDS = ("spread", "one-expert", "sparse", "padding")
+
+
+@st.composite
+def routings(draw, tokens: int, experts: int, top_k: int, kind: str | None = None):
+    """top_k_index [tokens, top_k]: each token's experts, distinct, in any slot order; E (no
+    expert) may repeat. Spread over every expert; expert 0 in every token; a few experts busy
+    and the rest empty; or some slots padded with E."""
+    if not 1 <= top_k <= experts:
+        raise ValueError(f"need 1 <= top_k <= experts, got top_k={top_k}, experts={experts}")
+    kind = kind or draw(st.sampled_from(ROUTING_KINDS))
+    if kind not in ROUTING_KINDS:
+        raise ValueError(f"routing kind must be one of {ROUTING_KINDS}, got {kind!r}")
+    rng = np.random.default_rng(draw(seeds))
+    busy = np.arange(experts)
+    if kind == "sparse":
+        busy = rng.permutation(experts)[:draw(st.integers(top_k, experts))]
+    ids = np.stack([rng.permutation(busy)[:top_k] for _ in range(tokens)])
+    if kind == "one-expert":
+        for row in ids:
+            if 0 not in row:
+                row[rng.integers(top_k)] = 0
+    elif kind == "padding":
+        ids = np.where(rng.random(ids.shape) < 0.3, experts, ids)
+    return ids.astype(np.int64)
+
+
+@st.composite
+def routed_cases(draw, max_k: int = 128, max_n: int = 24, max_experts: int = 5,
+                 max_rows: int = 12, act_bits_=None, x_format=None, out_format=None):
+    """A grouped projection's input (cases.LinearCase with routing): `experts` experts' 4-bit
+    weights [N, K] stacked (gate and up: two parts of N / 2), each row of x routed to top_k of
+    them."""
+    experts = draw(st.integers(1, max_experts))
+    top_k = draw(st.integers(1, min(experts, 4)))
+    parts = draw(st.integers(1, 2))
+    rows, k, n = draw(shapes(max_k, max_n, max_rows))
+    n *= parts
+    ab = act_bits_ if act_bits_ is not None else draw(act_bits)
+    xf = float_format(x_format) if x_format else draw(formats)
+    of = float_format(out_format) if out_format else draw(
+        st.sampled_from([xf, FORMATS["float32"], FORMATS["bfloat16"], FORMATS["float16"]]))
+    q, packed = draw(packed_weights(experts * n, k, 4))
+    return LinearCase(draw(activation_bits(rows, k, xf, ab)), xf, q, packed,
+                      draw(scale_bits(experts * n, k // GROUP_SIZE)), ab, of, 4,
+                      routing=draw(routings(rows, experts, top_k)), experts=experts, parts=parts)
+
+
+MOE_ACT_KINDS = ("unit", "unit", "unit", "wide-rows")  # mostly |x| about 1: nonzero outputs
+
+
+@st.composite
+def moe_cases(draw, max_experts: int = 4, max_tokens: int = 8, max_hidden: int = 96,
+              max_inter: int = 64):
+    """An MoE layer's routed experts, an input and its routing (cases.MoECase). The edge cases
+    of one projection are linear_cases' and routed_cases': here the inputs are mostly of
+    magnitude about 1 (or a row spread wide), with scales about 2**-6, so that both projections
+    and the weighted sum give nonzero, finite outputs, whose routing and order show."""
+    from .cases import MoECase
+
+    experts = draw(st.integers(1, max_experts))
+    top_k = draw(st.integers(1, min(experts, 3)))
+    tokens = draw(st.integers(1, max_tokens))
+    hidden = GROUP_SIZE * draw(st.integers(1, max_hidden // GROUP_SIZE))
+    inter = GROUP_SIZE * draw(st.integers(1, max_inter // GROUP_SIZE))
+    ab = draw(act_bits)
+    xf = draw(formats)
+    rng = np.random.default_rng(draw(seeds))
+    x = _random_floats(rng, (tokens, hidden), xf, xf.bias - 3, xf.bias + 2)
+    if draw(st.sampled_from(MOE_ACT_KINDS)) == "wide-rows":  # some elements far below amax
+        x = _random_floats(rng, (tokens, hidden), xf, xf.bias - 12, xf.bias + 2)
+    x[draw(st.lists(st.integers(0, tokens - 1), max_size=2, unique=True))] = 0
+    scales = draw(st.sampled_from(("qat", "qat", "negative", "spread")))
+    _, gate_up = draw(packed_weights(2 * inter * experts, hidden))
+    _, down = draw(packed_weights(hidden * experts, inter))
+    return MoECase(x.astype(np.int64), xf, ab, draw(routings(tokens, experts, top_k)),
+                   rng.random((tokens, top_k)).astype(np.float32), experts,
+                   (gate_up, draw(scale_bits(2 * inter * experts, hidden // GROUP_SIZE,
+                                             scales))),
+                   (down, draw(scale_bits(hidden * experts, inter // GROUP_SIZE, scales))))

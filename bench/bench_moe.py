@@ -1,0 +1,119 @@
+"""An MoE layer's routed experts at Kimi's sizes (hidden 7168, expert width 2048, top-8): the
+grouped exact call against transformers' own DeepseekV3Experts in bf16 on the dequantized weights,
+and against the exact per-expert loop (transformers' loop over the exact layers), side by side.
+
+The three alternate call by call, the same tokens and routing, medians. Routing: each token's 8
+experts drawn at random among E, so that at T = 128 with E = 64 every expert has about 16 rows.
+The check column is the part of the grouped call that compares the routed experts' buffers with
+their layers' copies (docs/PERFORMANCE.md, the buffer check), timed alone.
+
+    .venv/bin/python -m bench.bench_moe [--experts 64] [--tokens 1 16 128 1024]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+from pathlib import Path
+
+import torch
+from transformers import DeepseekV3Config
+from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+
+from bench.bench_forward import side_by_side
+from exactness.kimi import ExactExperts
+
+HIDDEN, INTER, TOP_K = 7168, 2048, 8
+REPEATS = {1: 21, 16: 11, 128: 7, 1024: 3}  # per token count: each call is ~T times longer
+
+
+def random_layer(layer, generator: torch.Generator) -> None:
+    """Uniform nibbles and bf16 scales over two binades (2**-7 .. 2**-5), as bench_forward's."""
+    n, k = layer.out_features, layer.in_features
+    layer.load_state_dict({
+        "weight_packed": torch.randint(-2**31, 2**31, (n, k // 8), dtype=torch.int32,
+                                       generator=generator),
+        "weight_scale": (0x3C00 + torch.randint(0, 256, (n, k // 32), generator=generator)).to(
+            torch.int16).view(torch.bfloat16),
+        "weight_shape": torch.tensor([n, k])})
+
+
+def dequantized(layer) -> torch.Tensor:
+    """The layer's q * s in bf16 [N, K] (torch, one layer at a time)."""
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32)
+    q = ((layer.weight_packed[:, :, None] >> shifts) & 15) - 8
+    return (q.reshape(layer.out_features, -1).float()
+            * layer.weight_scale.float().repeat_interleave(32, 1)).bfloat16()
+
+
+def experts_pair(experts: int, act_bits: int, seed: int = 0):
+    """(exact ExactExperts, transformers' DeepseekV3Experts on the same weights in bf16)."""
+    generator = torch.Generator().manual_seed(seed)
+    exact = ExactExperts(experts, HIDDEN, INTER, torch.nn.SiLU(), act_bits)
+    config = DeepseekV3Config(hidden_size=HIDDEN, moe_intermediate_size=INTER,
+                              n_routed_experts=experts, num_experts_per_tok=TOP_K)
+    bf16 = DeepseekV3Experts(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for e, expert in enumerate(exact):
+            for layer in (expert.gate_proj, expert.up_proj, expert.down_proj):
+                random_layer(layer, generator)
+            bf16.gate_up_proj[e] = torch.cat([dequantized(expert.gate_proj),
+                                             dequantized(expert.up_proj)])
+            bf16.down_proj[e] = dequantized(expert.down_proj)
+    return exact, bf16
+
+
+def routing(tokens: int, experts: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=generator)[:TOP_K]
+                       for _ in range(tokens)])
+    weights = torch.rand(tokens, TOP_K, generator=generator)
+    return ids, weights / weights.sum(1, keepdim=True) * 2.827
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 1024])
+    parser.add_argument("--act-bits", type=int, default=16)
+    parser.add_argument("--out", default="reports/bench_moe.md")
+    args = parser.parse_args()
+    exact, bf16 = experts_pair(args.experts, args.act_bits)
+    lines = [f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
+             f"{torch.get_num_threads()} threads; {args.experts} experts of {HIDDEN} -> "
+             f"{INTER}, top-{TOP_K}, act_bits {args.act_bits}; medians", "",
+             "| T | grouped ms | per-expert ms | bf16 ms | grouped / bf16 | "
+             "grouped / per-expert | check ms |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    print("\n".join(lines), flush=True)
+    for t in args.tokens:
+        x = torch.randn(t, HIDDEN, generator=torch.Generator().manual_seed(t)).bfloat16()
+        ids, weights = routing(t, args.experts, t)
+        active = [exact[e] for e in torch.unique(ids).tolist()]
+        layers = [layer for e in active for layer in (e.gate_proj, e.up_proj, e.down_proj)]
+        want = exact.per_expert(x, ids, weights)
+        assert torch.equal(exact(x, ids, weights), want), "the grouped call differs"
+        grouped, loop, base, check = side_by_side(
+            [lambda: exact(x, ids, weights), lambda: exact.per_expert(x, ids, weights),
+             lambda: bf16(x, ids, weights), lambda: [layer._derive() for layer in layers]],
+            REPEATS.get(t, 3))
+        line = (f"| {t} | {grouped * 1e3:.1f} | {loop * 1e3:.1f} | {base * 1e3:.1f} | "
+                f"{grouped / base:.2f} | {grouped / loop:.2f} | {check * 1e3:.1f} |")
+        lines.append(line)
+        print(line, flush=True)
+    Path(args.out).parent.mkdir(exist_ok=True)
+    Path(args.out).write_text("\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

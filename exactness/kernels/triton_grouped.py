@@ -1,0 +1,227 @@
+"""The GPU's grouped kernel (`triton-grouped`): one projection of every routed expert of an MoE
+layer in one launch, scheduled by expert as vLLM's fused_moe is.
+
+The routed rows (routing.py) are cut into blocks of BLOCK_M rows of one expert each, the last
+block of each expert padded (`blocks`): a block's row ids, its expert, and how many blocks are in
+use, all made on the device, so the grid is an upper bound and a program past the blocks in use
+returns at once. A padding row is never read as data nor stored.
+
+Each program reads its expert's weights live, through a table of every (expert, part) layer's
+buffer addresses (weight_packed, weight_scale, weight_shape): nothing is derived ahead that a
+write could leave stale. It derives what the group kernel's certificate holds (modules.certify)
+from the scales as it goes: each weight row's emin and spread, then per group the factor
+f = ms << (es - emin). A row whose spread exceeds dataflow.certified_spread is computed as zero
+and counted in `trouble`, as are a non-finite scale and a weight_shape that disagrees: the caller
+then takes the per-expert path, whose layers handle them. The dataflow is exact_group_kernel's:
+int8 dots per limb into P', P' * f into int64, with the limb offset's LIMB_OFFSET * sum_k q * f
+added per group (the same T, within dataflow.combine_bound in any order: proved, combine-*).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import dataflow
+from ..contract import FloatFormat, float_format
+from ..formats import check_finite, float_bits, torch_dtype
+from . import triton_exact
+from .registry import Fit, Weights, yes
+from .routing import Routing, route
+from .triton_exact import _BITS, _INT, BLOCK_M, BLOCK_N, triton
+
+if triton is not None:
+    import triton.language as tl
+
+    from .triton_exact import decode, store_exact, unpack_fields
+
+    @triton.jit
+    def grouped_kernel(
+        a_ptr, e_ptr, source_ptr, block_rows_ptr, block_expert_ptr, used_ptr, table_ptr,
+        trouble_ptr, y_ptr, rows_total, N, K, stride_limb, stride_am, stride_ym,
+        W_BITS: tl.constexpr, TWO_LIMBS: tl.constexpr, LIMB_OFFSET: tl.constexpr,
+        DOT_ACC: tl.constexpr, COMBINE_ACC: tl.constexpr, SPREAD_LIMIT: tl.constexpr,
+        OUT_MANT: tl.constexpr, OUT_EXP: tl.constexpr, PARTS: tl.constexpr,
+        GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """Block program_id(0) of routed rows (one expert's) against the columns program_id(1)
+        of PARTS parts' outputs: y[row, part * N + n], rounded once. Row r reads input row
+        source[r] (GATHER) or r of the limbs a [L, M, K] and row exponents e [M]."""
+        pid_m = tl.program_id(0)
+        if pid_m >= tl.load(used_ptr):
+            return
+        expert = tl.load(block_expert_ptr + pid_m)
+        tiles = tl.cdiv(N, BLOCK_N)
+        part = tl.program_id(1) // tiles
+        offs_n = (tl.program_id(1) % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        entry = table_ptr + (expert * PARTS + part) * 4  # packed, scale, shape, shape is int64
+        w_ptr = tl.load(entry).to(tl.pointer_type(tl.int32))
+        s_ptr = tl.load(entry + 1).to(tl.pointer_type(tl.int16))
+        rows = tl.load(block_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = rows < rows_total  # padding: the row id rows_total
+        rows = tl.where(valid, rows, 0)
+        if GATHER:
+            src = tl.load(source_ptr + rows, mask=valid, other=0)
+        else:
+            src = rows
+        groups = K // 32
+        # formats.split_scales per weight row: emin, the spread, and any non-finite scale
+        big = 1 << 20
+        emin = tl.full((BLOCK_N,), big, tl.int32)
+        emax = tl.full((BLOCK_N,), -big, tl.int32)
+        nonfinite = tl.zeros((BLOCK_N,), tl.int32)
+        for g in range(groups):
+            b = tl.load(s_ptr + offs_n * groups + g, mask=mask_n, other=0).to(tl.int32) & 0xFFFF
+            ms, es = decode(b, 7, 8)
+            emin = tl.minimum(emin, tl.where(ms != 0, es, big))
+            emax = tl.maximum(emax, tl.where(ms != 0, es, -big))
+            nonfinite |= (((b >> 7) & 0xFF) == 0xFF).to(tl.int32)
+        emin = tl.where(emin == big, 0, emin)
+        slow = (emax - emin > SPREAD_LIMIT) & mask_n
+        offs_2 = tl.arange(0, 2)
+        if tl.load(entry + 3) != 0:  # weight_shape int64, or int32
+            shape = tl.load(tl.load(entry + 2).to(tl.pointer_type(tl.int64)) + offs_2)
+        else:
+            shape = tl.load(tl.load(entry + 2).to(tl.pointer_type(tl.int32)) + offs_2).to(
+                tl.int64)
+        shape_wrong = tl.sum((shape != tl.where(offs_2 == 0, N, K)).to(tl.int32))
+        trouble = tl.sum(slow.to(tl.int32)) + tl.sum(nonfinite & mask_n.to(tl.int32)) \
+            + shape_wrong
+        tl.atomic_add(trouble_ptr, 1, mask=trouble > 0)
+        per_word: tl.constexpr = 32 // W_BITS
+        offs_w = tl.arange(0, W_BITS)
+        fields = tl.arange(0, per_word) * W_BITS
+        offs_k = tl.arange(0, 32)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=COMBINE_ACC)
+        for g in range(groups):
+            words = tl.load(w_ptr + offs_n[:, None] * (groups * W_BITS)
+                            + (g * W_BITS + offs_w)[None, :], mask=mask_n[:, None], other=0)
+            w8 = tl.reshape(unpack_fields(words, fields, W_BITS).to(tl.int8), (BLOCK_N, 32))
+            a_ptrs = a_ptr + src[:, None] * stride_am + (g * 32 + offs_k)[None, :]
+            p = tl.dot(tl.load(a_ptrs, mask=valid[:, None], other=0), tl.trans(w8),
+                       out_dtype=DOT_ACC)
+            if TWO_LIMBS:  # P' = 256 * D_hi + D_lo
+                a_hi = tl.load(a_ptrs + stride_limb, mask=valid[:, None], other=0)
+                p += tl.dot(a_hi, tl.trans(w8), out_dtype=DOT_ACC) * 256
+            b = tl.load(s_ptr + offs_n * groups + g, mask=mask_n, other=0).to(tl.int32) & 0xFFFF
+            ms, es = decode(b, 7, 8)
+            # an int32 for every certified spread (proved: scale-factor); slow rows: zero
+            f = tl.where(slow, 0, ms << tl.where(ms != 0, es - emin, 0))
+            acc += p.to(COMBINE_ACC) * f.to(COMBINE_ACC)[None, :]
+            if TWO_LIMBS:  # P = P' + LIMB_OFFSET * sum_k q
+                q_sum = tl.sum(w8.to(tl.int32), axis=1)
+                acc += (LIMB_OFFSET * q_sum.to(COMBINE_ACC) * f.to(COMBINE_ACC))[None, :]
+        e_r = tl.load(e_ptr + src, mask=valid, other=0)
+        y_ptrs = y_ptr + rows[:, None] * stride_ym + (part * N + offs_n)[None, :]
+        store_exact(acc.to(tl.int64), e_r[:, None] + emin.to(tl.int64)[None, :], y_ptrs,
+                    valid[:, None] & mask_n[None, :], OUT_MANT, OUT_EXP)
+
+
+def grouped_constants(w_bits: int, act_bits: int, k: int, out: FloatFormat, parts: int,
+                      gather: bool, block_m: int = BLOCK_M, block_n: int = BLOCK_N) -> dict:
+    """grouped_kernel's compile-time constants, output in `out` (a FloatFormat)."""
+    return dict(W_BITS=w_bits, TWO_LIMBS=dataflow.act_limbs(act_bits) == 2,
+                LIMB_OFFSET=dataflow.LIMB_OFFSET, DOT_ACC=_INT[dataflow.DOT_ACC_BITS],
+                COMBINE_ACC=_INT[dataflow.COMBINE_ACC_BITS],
+                SPREAD_LIMIT=dataflow.certified_spread(k, w_bits, act_bits),
+                OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits, PARTS=parts, GATHER=gather,
+                BLOCK_M=block_m, BLOCK_N=block_n)
+
+
+def blocks(routing: Routing, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row ids [B * block_m], expert [B], blocks in use [1]): the routed rows cut into blocks of
+    block_m rows of one expert each, the last of each expert padded with the row id
+    tokens * top_k; B bounds the blocks in use. Made on the device, nothing read back."""
+    experts, device = routing.experts, routing.offsets.device
+    rows_total = routing.tokens * routing.top_k
+    counts = routing.offsets[1:experts + 1] - routing.offsets[:experts]
+    per_expert = (counts + block_m - 1) // block_m
+    ends = per_expert.cumsum(0)
+    bound = -(-rows_total // block_m) + experts  # sum_e ceil(c_e / block_m) <= this
+    block = torch.arange(bound, device=device)
+    expert = torch.searchsorted(ends, block, right=True).clamp(max=experts - 1)
+    first = routing.offsets[expert] + (block - (ends - per_expert)[expert]) * block_m
+    rows = first[:, None] + torch.arange(block_m, device=device)
+    rows = torch.where(rows < routing.offsets[expert + 1][:, None], rows, rows_total)
+    return rows.reshape(-1), expert, ends[-1:]
+
+
+def table(experts, device: torch.device) -> torch.Tensor:
+    """[E * parts, 4] int64: each (expert, part) layer's weight_packed, weight_scale and
+    weight_shape addresses, and whether weight_shape is int64 (buffers type-checked already)."""
+    return torch.tensor([[packed.data_ptr(), scale.data_ptr(), shape.data_ptr(),
+                          int(shape.dtype == torch.int64)]
+                         for parts in experts for packed, scale, shape in parts],
+                        dtype=torch.int64).to(device)
+
+
+def grouped_launch(x: torch.Tensor, routing: Routing, experts, bits: int, act_bits: int,
+                   out_format: FloatFormat, gather: bool):
+    """(y [tokens * top_k, parts * N], the rows of x that hold a non-finite value, the programs
+    that met a layer the per-expert path must run) for x [M, K]: `experts` [E][parts] of live
+    (weight_packed, weight_scale, weight_shape); the counts [] int64, on the device."""
+    device, k = x.device, x.shape[1]
+    parts, n = len(experts[0]), experts[0][0][0].shape[0]
+    limbs, e_r, nonfinite = [], [], []
+    for rows in x.split(triton_exact.rows_per_launch(k, n, act_bits)):  # int32 offsets
+        quantized = triton_exact.quantize(rows, act_bits)
+        for into, part in zip((limbs, e_r, nonfinite), quantized, strict=True):
+            into.append(part)
+    limbs = limbs[0] if len(limbs) == 1 else torch.cat(limbs, 1)
+    e_r, nonfinite = torch.cat(e_r), torch.cat(nonfinite)
+    rows_total = routing.tokens * routing.top_k
+    y = torch.empty((rows_total, parts * n), dtype=torch_dtype(out_format), device=device)
+    block_rows, block_expert, used = blocks(routing, BLOCK_M)
+    trouble = torch.zeros(1, dtype=torch.int32, device=device)
+    grid = (block_expert.numel(), parts * triton.cdiv(n, BLOCK_N))
+    grouped_kernel[grid](
+        limbs, e_r, routing.token, block_rows, block_expert, used, table(experts, device),
+        trouble, y.view(_BITS[out_format.width]), rows_total, n, k, limbs.stride(0),
+        limbs.stride(1), y.stride(0),
+        **grouped_constants(bits, act_bits, k, out_format, parts, gather))
+    return y, nonfinite.to(torch.int64).sum(), trouble[0].to(torch.int64)
+
+
+class _TritonGroupedKernel:
+    """grouped_kernel: every routed expert's rows of one projection in one launch, reading the
+    layers' live buffers. As a layer's kernel (kernel="triton-grouped"): one expert, every row."""
+
+    name, family, layout, min_rows = "triton-grouped", "triton", "triton-grouped", 0
+    auto, grouped, reads = False, True, "buffers"
+
+    def available(self, device: torch.device) -> Fit:
+        return triton_exact.GROUP.available(device)
+
+    def eligible(self, rows: int, weights: Weights) -> Fit:
+        return yes("any widths")
+
+    def prepare(self, weights: Weights) -> dict:
+        return {}  # per device: weight_shape as a tensor there
+
+    def run(self, x, weights: Weights, prepared: dict, out_format: FloatFormat):
+        if triton_exact.capturing(x):
+            return triton_exact.GROUP.run(x, weights, prepared, out_format)  # which refuses it
+        if x.device not in prepared:
+            prepared[x.device] = torch.tensor([weights.n, weights.k], device=x.device)
+        one = route(torch.zeros((x.shape[0], 1), dtype=torch.int64, device=x.device), 1)
+        buffers = [[(weights.packed.to(x.device), weights.scale.to(x.device),
+                     prepared[x.device])]]
+        y, nonfinite, _ = grouped_launch(x, one, buffers, weights.bits, weights.act_bits,
+                                         out_format, gather=True)
+        if bool(nonfinite.cpu()):  # (the layer splices in the slow rows, counted in the rest)
+            check_finite(float_bits(x), float_format(x.dtype), "x")  # raises: count, index
+        return y
+
+    def run_grouped(self, x, routing: Routing, experts, bits: int, act_bits: int,
+                    out_format: FloatFormat, gather: bool, workspace=None):
+        """(y [tokens * top_k, parts * N], trouble [] int64): `experts` [E] holds every
+        expert's parts' live buffers (weight_packed, weight_scale, weight_shape), type-checked;
+        routed row r reads row routing.token[r] of x where `gather`, else row r. Nothing is
+        read back: trouble (see grouped_launch) is for the caller to read once. (`workspace` is
+        the CPU's: CUDA's caching allocator keeps its memory from one call to the next.)"""
+        y, nonfinite, programs = grouped_launch(x, routing, experts, bits, act_bits, out_format,
+                                                gather)
+        return y, nonfinite + programs
+
+
+GROUPED = _TritonGroupedKernel()

@@ -1,0 +1,292 @@
+"""One exact call per projection of an MoE layer: every routed expert's gate and up in one grouped
+kernel call, SiLU(gate) * up in the output dtype, every routed expert's down in a second call,
+then the weighted sum over each token's experts.
+
+The bits are those of the per-expert loop each integration keeps as its reference (transformers'
+own loop in `kimi.ExactExperts.per_expert`, `kimi.KimiMoE.per_expert`). The contract is per row,
+so an expert's layer gives a row the same bits in any company. `weighted_sum` adds a token's
+contributions in that loop's order (experts ascending, then slots), in its dtype.
+
+Where the grouped call meets anything unusual it runs the per-expert loop instead, with that
+loop's own checks and errors, so the two never differ, errors included. That covers a non-finite
+input of either projection, an expert whose layers differ from the others' in widths, a forced
+per-layer kernel, and no grouped kernel here (a warning says why, once).
+
+On the CPU the grouped kernel reads each routed expert's derived data, after the check of its
+buffers a layer's forward makes (exactness.modules). On the GPU it reads every expert's live
+buffers through a table of their addresses and derives the scales' factors as it goes. No data
+is kept there that a write could leave stale, and nothing is read back between the launches. One
+read-back at the end says whether the per-expert loop must run instead: a non-finite input, a
+scale spread no fast kernel holds, a non-finite scale, a wrong weight_shape or an expert id out
+of range or repeated for a token.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import threading
+import warnings
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from .contract import ContractValueError, NonFiniteError, ShapeError
+from .formats import torch_dtype
+from .kernels import REGISTRY, KernelUnavailableError, Plan, plan_grouped
+from .kernels.native import FallbackWarning
+from .kernels.registry import ENV, by_name
+from .kernels.routing import Routing, route
+from .kernels.wide import WIDE, linear_rows
+from .modules import _NoBackward, _PackedExactLinear
+
+# torch runs an elementwise function on vectors of up to 64 16-bit lanes (two AVX-512 registers
+# a step), and the elements past the last whole step on a scalar path. In one block of at most
+# torch's GRAIN_SIZE elements it runs on one thread, from the block's start: so in blocks of
+# GRAIN_SIZE elements, padded to a multiple of VECTOR_STEP, every element takes the vector path.
+VECTOR_STEP, GRAIN_SIZE = 64, 32768
+CHUNK = 2**22  # the activation's elements a step, into a workspace: each temporary under 32 MiB
+
+
+class Workspace(threading.local):
+    """A thread's buffers for its grouped calls on the CPU, kept from one call to the next. glibc
+    maps an allocation past 32 MiB afresh each time, and at T = 1024 the page faults of the
+    grouped call's buffers cost as much as its arithmetic (docs/PERFORMANCE.md). They stay, each
+    the size of the largest call so far; `clear()` frees them. A buffer holds until the next use
+    of its slot on the same thread, so nothing that reads one escapes experts_forward."""
+
+    def __init__(self):
+        self.buffers: dict[str, torch.Tensor] = {}
+
+    def get(self, slot: str, shape: tuple, dtype: torch.dtype, device) -> torch.Tensor:
+        size = math.prod(shape) * dtype.itemsize
+        buffer = self.buffers.get(slot)
+        if buffer is None or buffer.numel() < size or buffer.device != torch.device(device):
+            buffer = self.buffers[slot] = torch.empty(size, dtype=torch.uint8, device=device)
+        return buffer[:size].view(dtype).view(shape)
+
+    def clear(self) -> None:
+        self.buffers.clear()
+
+
+WORKSPACE = Workspace()
+
+
+def activation(act_fn: Callable, gate: torch.Tensor, up: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """act_fn(gate) * up in their dtype, as transformers computes it, each element's bits the same
+    whatever rows share the call (into `out` where given). torch's vector and scalar paths of SiLU
+    give the same bf16 and fp16 results for every input (tests/test_moe.py checks every pattern),
+    so those run in steps of CHUNK elements; not fp32 ones, so fp32 runs every element on the
+    vector path (VECTOR_STEP)."""
+    if gate.dtype != torch.float32:
+        if out is None:
+            return act_fn(gate) * up
+        step = max(1, CHUNK // gate.shape[1])
+        for start in range(0, gate.shape[0], step):
+            rows = slice(start, start + step)
+            torch.mul(act_fn(gate[rows]), up[rows], out=out[rows])
+        return out
+    flat = gate.contiguous().view(-1)
+    padded = nn.functional.pad(flat, (0, -flat.numel() % VECTOR_STEP))
+    out = torch.empty_like(padded)
+    for start in range(0, padded.numel(), GRAIN_SIZE):
+        out[start:start + GRAIN_SIZE] = act_fn(padded[start:start + GRAIN_SIZE])
+    return out[:flat.numel()].view(gate.shape) * up
+
+
+def weighted_sum(rows: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """[T, H] in `dtype`: for each token, sum over its pairs of (row * weight).to(dtype), added
+    one by one into zeros, experts ascending and then slots (the per-expert loops' index_add_
+    order). `rows` [R, H] holds the routed rows in routing order (R >= the routed rows; any past
+    them are never read). Nothing is read back."""
+    tokens, top_k = routing.tokens, routing.top_k
+    pairs = tokens * top_k
+    row_of = torch.empty(pairs, dtype=torch.int64, device=rows.device)
+    row_of[routing.pair] = torch.arange(pairs, device=rows.device)
+    # a token's slots in the loops' order; pairs of no expert last, to add nothing
+    order = torch.argsort(routing.key, dim=1, stable=True)
+    row = row_of.view(tokens, top_k).gather(1, order)
+    routed = row < routing.routed
+    weight = top_k_weights.gather(1, order)
+    out = torch.zeros((tokens, rows.shape[1]), dtype=dtype, device=rows.device)
+    if not rows.shape[0]:  # no pair names an expert
+        return out
+    for j in range(top_k):
+        picked = rows.index_select(0, torch.where(routed[:, j], row[:, j], 0))
+        term = (picked * weight[:, j, None]).to(dtype)
+        out += torch.where(routed[:, j, None], term, 0)
+    return out
+
+
+def experts_forward(experts: Sequence[nn.Module], act_fn: Callable, x: torch.Tensor,
+                    top_k_index: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype,
+                    per_expert: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The routed experts' weighted sum [T, H] in `dtype`, by the grouped kernels (see the
+    module's doc); `per_expert()` is the reference loop, run where they cannot."""
+    layers = [(e.gate_proj, e.up_proj, e.down_proj) for e in experts]
+    if torch.jit.is_tracing() or x.dim() != 2 or not x.shape[0] or not _exact(layers[0]):
+        return per_expert()  # the layers raise, or there is no grouped path for them
+    chosen = plan(layers, x)
+    if chosen is None:
+        return per_expert()
+    if top_k_index.dim() != 2 or top_k_index.shape[0] != x.shape[0] \
+            or top_k_weights.shape != top_k_index.shape:
+        raise ShapeError(f"hidden_states {tuple(x.shape)}, top_k_index "
+                         f"{tuple(top_k_index.shape)} and top_k_weights "
+                         f"{tuple(top_k_weights.shape)} disagree on tokens or top_k")
+    # the GPU's kernel reads nothing back: a refused id is counted, and read with the rest
+    routing = route(top_k_index, len(layers), check=chosen.kernel.reads == "derived")
+    gate_up, down = [parts[:2] for parts in layers], [parts[2:] for parts in layers]
+    workspace = WORKSPACE if x.device.type == "cpu" else None
+    try:
+        gate_and_up, first = _project(chosen.kernel, gate_up, x, routing, True, workspace)
+        if gate_and_up is None:
+            return per_expert()
+        inter = layers[0][0].out_features
+        h = activation(act_fn, gate_and_up[:, :inter], gate_and_up[:, inter:],
+                       None if workspace is None else workspace.get(
+                           "h", (gate_and_up.shape[0], inter), gate_and_up.dtype, x.device))
+        if first is not None:  # rows of no expert: never computed, so never data
+            routed = torch.arange(h.shape[0], device=h.device) < routing.routed
+            h = torch.where(routed[:, None], h, 0)
+        rows, second = _project(chosen.kernel, down, h, routing, False, workspace)
+    except NonFiniteError:  # the loop raises it with its own index, or does not need the row
+        return per_expert()
+    if rows is None:
+        return per_expert()
+    out = weighted_sum(rows, routing, top_k_weights, dtype)
+    if first is not None and read_back(torch.stack([first, second, routing.bad])):
+        return per_expert()  # which raises for a refused id (check_routing)
+    if x.requires_grad and torch.is_grad_enabled():
+        out = _NoBackward.apply(x, out)
+    return out
+
+
+def projection(layers: Sequence[Sequence[nn.Module]], x: torch.Tensor, routing: Routing,
+               gather: bool, kernel=None) -> torch.Tensor:
+    """One grouped projection, exact: y [rows, parts * N] for `layers` [E][parts] (parts of one
+    shape: gate and up, or down), routed row r reading row routing.token[r] of x where `gather`,
+    else row r; part p of row r at columns p * N .. p * N + N. rows: the routed rows (the CPU's
+    kernel) or tokens * top_k (the GPU's, whose rows past the routed ones are not data). By
+    `kernel` (default: the plan's), each routed expert's layers where a grouped call cannot."""
+    if kernel is None:
+        chosen = plan(layers, x)
+        if chosen is None:
+            return _project_per_expert(layers, x, routing, gather)
+        kernel = chosen.kernel
+    y, trouble = _project(kernel, layers, x, routing, gather)
+    if y is None or (trouble is not None and read_back(trouble + routing.bad)):
+        y = _project_per_expert(layers, x, routing, gather)
+    return y
+
+
+def read_back(counts: torch.Tensor) -> bool:
+    """Whether any of `counts` is nonzero: the grouped call's one read of the device, in one
+    call (tests/test_moe.py counts the reads)."""
+    return any(counts.reshape(-1).tolist())
+
+
+def _exact(parts) -> bool:
+    return all(isinstance(layer, _PackedExactLinear) for layer in parts)
+
+
+def plan(layers, x: torch.Tensor) -> Plan | None:
+    """The grouped kernel that experts' `layers` [E][parts] take for x, or None where the
+    per-expert loop runs: a kernel forced on a layer or by EXACTNESS_KERNEL (honoured layer by
+    layer), or none here (a warning says why, once). A grouped kernel asked for by
+    EXACTNESS_KERNEL that cannot run raises."""
+    forced = os.environ.get(ENV) or None
+    if forced and not by_name(REGISTRY, forced).grouped:
+        return None
+    if any(layer.kernel for layer in layers[0]):
+        return None
+    family = layers[0][0]._family(x)
+    try:
+        return plan_grouped(REGISTRY, family, x.device, forced)
+    except KernelUnavailableError as e:
+        if forced:
+            raise
+        _warn_fallback(str(e))
+        return None
+
+
+@functools.cache
+def _warn_fallback(why: str) -> None:
+    warnings.warn(f"the grouped MoE kernel is not used: {why}; each expert's layers run one by "
+                  f"one instead", FallbackWarning, stacklevel=4)
+
+
+def _widths(layer) -> tuple:
+    return (layer.in_features, layer.out_features, layer.bits, layer.act_bits, layer.out_dtype,
+            layer.backend, layer.kernel)
+
+
+def _consistent(layers, experts: Sequence[int]) -> bool:
+    """Whether every expert in `experts` is exact and has the first one's widths, every part
+    alike: what one grouped call needs."""
+    want = _widths(layers[experts[0]][0])
+    return all(_exact(layers[e]) and all(_widths(layer) == want for layer in layers[e])
+               for e in experts)
+
+
+def _project(kernel, layers, x: torch.Tensor, routing: Routing, gather: bool, workspace=None):
+    """(y as `projection` gives it, in `workspace` where given; trouble to read back or None), or
+    (None, None) where the experts differ in widths. A kernel that reads derived data (the
+    CPU's): each routed expert's buffers checked, its slow rows spliced in from `wide` (as a
+    layer's forward), a non-finite x raised. One that reads buffers (the GPU's): nothing read
+    back, trouble counts what needs the per-expert path (grouped_launch)."""
+    offsets = routing.offsets.tolist() if kernel.reads == "derived" else None
+    experts = [e for e in range(routing.experts) if offsets[e + 1] > offsets[e]] \
+        if offsets is not None else range(routing.experts)
+    first = layers[experts[0]][0] if experts else layers[0][0]
+    x, out_format = first._checked(x, x.device)
+    if not experts:
+        return x.new_empty((0, len(layers[0]) * first.out_features), dtype=torch_dtype(
+            out_format)), None
+    if not _consistent(layers, experts):
+        return None, None
+    if kernel.reads == "buffers":
+        buffers = [[layer.checked_buffers() for layer in parts] for parts in layers]
+        if any(packed.device != x.device for parts in buffers for packed, _, _ in parts):
+            raise ContractValueError(f"x is on {x.device}, an expert's buffers elsewhere: move "
+                                     f"one")
+        return kernel.run_grouped(x, routing, buffers, first.bits, first.act_bits, out_format,
+                                  gather, workspace)
+    derived = {e: [layer._derive() for layer in layers[e]] for e in experts}  # buffer checks
+    if any(d.weights.packed.device != x.device for e in experts for d in derived[e]):
+        raise ContractValueError(f"x is on {x.device}, an expert's buffers elsewhere: move one")
+    items = [None] * routing.experts
+    for e in experts:
+        items[e] = [(d.weights, layer._prepared(kernel, d))
+                    for layer, d in zip(layers[e], derived[e], strict=True)]
+    y, _ = kernel.run_grouped(x, routing, items, first.bits, first.act_bits, out_format, gather,
+                              workspace)
+    for e in experts:  # the slow rows of each expert, from `wide` (as a layer's forward)
+        for p, (layer, d) in enumerate(zip(layers[e], derived[e], strict=True)):
+            slow = d.weights.certificate.slow_rows
+            if slow.numel():
+                rows = slice(offsets[e], offsets[e + 1])
+                source = x[routing.token[rows]] if gather else x[rows]
+                y[rows, p * first.out_features + slow] = linear_rows(
+                    source, d.weights, slow, out_format, layer._prepared(WIDE, d))
+    return y, None
+
+
+def _project_per_expert(layers, x: torch.Tensor, routing: Routing, gather: bool) -> torch.Tensor:
+    """`projection`'s y by each routed expert's layers, one by one, over its own rows."""
+    offsets = routing.offsets.tolist()
+    first = layers[0][0]
+    n, dtype = first.out_features, first.out_dtype or x.dtype
+    y = torch.zeros((routing.tokens * routing.top_k, len(layers[0]) * n), dtype=dtype,
+                    device=x.device)
+    for e in range(routing.experts):
+        rows = slice(offsets[e], offsets[e + 1])
+        if rows.start < rows.stop:
+            source = x[routing.token[rows]] if gather else x[rows]
+            for p, layer in enumerate(layers[e]):
+                y[rows, p * n:(p + 1) * n] = layer(source)
+    return y

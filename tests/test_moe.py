@@ -1,0 +1,492 @@
+"""One exact call per MoE layer (exactness.moe): the grouped kernels against the reference and the
+per-expert loops, bit for bit, for any routing; the block's batch invariance; what the grouped
+call does with what it cannot compute; one read-back per call on the GPU's path."""
+
+import warnings
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from exactness import moe
+from exactness.contract import BFLOAT16, ContractValueError, ExactnessError, NonFiniteError
+from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits
+from exactness.kernels import REGISTRY, KernelUnavailableError, native
+from exactness.kernels.registry import no
+from exactness.kernels.routing import route
+from exactness.kimi import ExactExperts, KimiConfig, KimiMoE
+from exactness.suite.cases import LinearCase, MoECase
+from exactness.suite.counterexamples import check_bits
+from exactness.suite.paths import available_paths, grouped_paths, run
+from exactness.suite.strategies import moe_cases, routed_cases, routings, seeds
+from tests.test_modules import skip_unless_here
+
+pytestmark = pytest.mark.stage("equivalence")  # make verify's stage
+
+GROUPED = [kernel.name for kernel in REGISTRY if kernel.grouped]
+BACKEND_OF = {kernel.name: kernel.family for kernel in REGISTRY if kernel.grouped}
+ALL_BACKENDS = ("cpu", "triton")
+
+
+def examples(backend: str, share: int, most: int):
+    """A property's examples on `backend`: the profile's, divided by `share`, at most `most`
+    (the thorough profile's 2000 would take an hour of interpreted Triton)."""
+    cost = 3 if backend == "triton" else 1
+    return settings(max_examples=max(10 // cost, min(
+        settings.default.max_examples // (share * cost), most // cost)))
+
+
+# --------------------------------------------------------------------------- one projection
+
+@pytest.mark.parametrize("path", GROUPED)
+def test_grouped_projection_matches_reference(path):
+    """A grouped call (every expert's routed rows, gate and up as two parts or one projection)
+    against the reference of all the experts' outputs, each row's routed ones kept: empty
+    experts, one expert in every token, padded slots, slots in any order, slow rows."""
+    skip_unless_here(path)
+
+    @examples(BACKEND_OF[path], 1, 1200)
+    @given(routed_cases(max_experts=5, max_rows=12))
+    def check(case):
+        check_bits(case, path, run(case, path), run(case, "reference"))
+
+    check()
+
+
+@pytest.mark.parametrize("path", GROUPED)
+def test_grouped_projection_at_kimis_k_with_one_expert_taking_every_token(path):
+    """K = 7168 (Kimi's gate and up), two experts of two parts, the second taking every token
+    and the first none; bf16 scales over two binades. On the CPU 24 tokens: the span kernel's
+    rows (native.SPAN_MIN_ROWS)."""
+    skip_unless_here(path)
+    rng = np.random.default_rng(0)
+    rows, k, n = (native.SPAN_MIN_ROWS if path == "vnni-grouped" else 2), 7168, 2 * 2 * 64
+    q = rng.integers(-8, 8, (n, k))
+    x = rng.integers(0x3C00, 0x4000, (rows, k)) | (rng.integers(0, 2, (rows, k)) << 15)
+    case = LinearCase(x, BFLOAT16, q, pack_weights(q, 4),
+                      0x3C00 + rng.integers(0, 256, (n, k // 32)), 16, BFLOAT16, 4,
+                      routing=np.ones((rows, 1), np.int64), experts=2, parts=2)
+    check_bits(case, path, run(case, path), run(case, "reference"))
+
+
+# --------------------------------------------------------------------------- the whole block
+
+def load(layer, packed: np.ndarray, scales: np.ndarray) -> None:
+    layer.load_state_dict({"weight_packed": torch.from_numpy(np.ascontiguousarray(packed)),
+                           "weight_scale": bits_to_tensor(scales, "bfloat16"),
+                           "weight_shape": torch.tensor([layer.out_features,
+                                                         layer.in_features])})
+
+
+def experts_of(case, backend: str = "cpu") -> ExactExperts:
+    """transformers' experts module, exact, holding `case`'s weights (cases.MoECase)."""
+    experts = ExactExperts(case.experts, case.hidden, case.inter, torch.nn.SiLU(),
+                           case.act_bits)
+    (gate_up, gate_up_scales), (down, down_scales) = case.gate_up, case.down
+    i, h = case.inter, case.hidden
+    for e, expert in enumerate(experts):
+        load(expert.gate_proj, gate_up[2 * i * e:2 * i * e + i], gate_up_scales[2 * i * e:][:i])
+        load(expert.up_proj, gate_up[2 * i * e + i:2 * i * (e + 1)],
+             gate_up_scales[2 * i * e + i:][:i])
+        load(expert.down_proj, down[h * e:h * (e + 1)], down_scales[h * e:h * (e + 1)])
+    set_backend(experts, backend)
+    return experts
+
+
+def set_backend(module, backend: str) -> None:
+    for layer in module.modules():
+        if hasattr(layer, "backend"):
+            layer.backend = backend
+
+
+def inputs(case):
+    return (bits_to_tensor(case.x_bits, case.x_format), torch.from_numpy(case.routing),
+            torch.from_numpy(case.top_k_weights))
+
+
+def outcome(call):
+    """The output's bits, or the error it raised (its type and message)."""
+    try:
+        return tensor_to_bits(call()), None
+    except ExactnessError as e:
+        return None, (type(e).__name__, str(e))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_grouped_experts_match_transformers_loop(backend):
+    """transformers' experts module (ExactExperts): one grouped call per projection gives the
+    bits of transformers' own loop over the exact layers, errors included. On a difference, each
+    projection is checked against the reference, and the first that differs is written as a
+    counterexample file."""
+    skip_unless_backend(backend)
+    examples(backend, 2, 600)(given(moe_cases())(lambda case: check_experts(backend, case)))()
+
+
+def check_experts(backend: str, case) -> None:
+    experts = experts_of(case, backend)
+    grouped = outcome(lambda: experts(*inputs(case)))
+    set_backend(experts, "cpu")
+    loop = outcome(lambda: experts.per_expert(*inputs(case)))
+    if grouped[1] or loop[1]:
+        assert grouped[1] == loop[1]
+        return
+    if not (grouped[0] == loop[0]).all():
+        explain(case, grouped_path(backend))
+        raise AssertionError(f"{case!r}: the grouped call differs from the loop, though each "
+                             f"projection matches the reference: the activation or the "
+                             f"weighted sum")
+
+
+def grouped_path(backend: str) -> str:
+    return next(name for name, family in BACKEND_OF.items() if family == backend)
+
+
+def skip_unless_backend(backend: str) -> None:
+    path = grouped_path(backend)
+    if path not in available_paths():
+        skip_unless_here(path)
+
+
+def explain(case, path: str) -> None:
+    """Each projection of `case` on `path` against the reference (check_bits writes the first
+    that differs as a counterexample file and raises)."""
+    gate_up = case.gate_up_case()
+    check_bits(gate_up, path, run(gate_up, path), run(gate_up, "reference"))
+    t, top_k = case.routing.shape
+    up_and_gate = bits_to_tensor(run(gate_up, "reference"), case.x_format)
+    i = case.inter
+    h = [], []
+    for token in range(t):
+        for slot in range(top_k):
+            e = int(case.routing[token, slot])
+            if e < case.experts:
+                block = up_and_gate[token, slot * 2 * i:(slot + 1) * 2 * i]
+                h[0].append(moe.activation(torch.nn.functional.silu, block[:i], block[i:]))
+                h[1].append(e)
+    if h[0]:
+        down = case.down_case(tensor_to_bits(torch.stack(h[0])), np.array(h[1]))
+        check_bits(down, path, run(down, path), run(down, "reference"))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_a_tokens_output_does_not_depend_on_the_other_tokens(backend):
+    """The block's batch invariance: token t alone (its own routing) gives its row of the
+    batch, in any order of the batch."""
+    skip_unless_backend(backend)
+    examples(backend, 3, 300)(given(moe_cases(max_tokens=6), st.data())(
+        lambda case, data: check_batch_invariance(backend, case, data)))()
+
+
+def check_batch_invariance(backend: str, case, data) -> None:
+    experts = experts_of(case, backend)
+    x, ids, weights = inputs(case)
+    batch = outcome(lambda: experts(x, ids, weights))
+    if batch[1]:
+        return
+    order = torch.from_numpy(np.random.default_rng(data.draw(seeds)).permutation(x.shape[0]))
+    shuffled = tensor_to_bits(experts(x[order], ids[order], weights[order]))
+    assert (shuffled == batch[0][order.numpy()]).all()
+    t = data.draw(st.integers(0, x.shape[0] - 1))
+    alone = outcome(lambda: experts(x[t:t + 1], ids[t:t + 1], weights[t:t + 1]))
+    assert alone[1] is None and (alone[0][0] == batch[0][t]).all()
+
+
+def kimi_moe(seed: int = 0, hidden: int = 64, inter: int = 32, experts: int = 6,
+             top_k: int = 3, act_bits: int = 16) -> KimiMoE:
+    """exactness.kimi's MoE block with random weights: exact routed experts, shared experts
+    and router in bf16 (fp32 for the router's bias)."""
+    config = KimiConfig(hidden_size=hidden, moe_intermediate_size=inter, n_routed_experts=experts,
+                        num_experts_per_tok=top_k, exact_act_bits=act_bits)
+    block = KimiMoE(config)
+    rng = np.random.default_rng(seed)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.from_numpy(rng.standard_normal(p.shape) * 0.2).to(p.dtype))
+    for expert in block.experts:
+        for layer in (expert.gate_proj, expert.up_proj, expert.down_proj):
+            n, k = layer.out_features, layer.in_features
+            load(layer, pack_weights(rng.integers(-8, 8, (n, k)), 4),
+                 0x3C00 + rng.integers(0, 256, (n, k // 32)))
+    return block
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_kimi_moe_grouped_matches_its_per_expert_loop(backend):
+    skip_unless_backend(backend)
+    block = kimi_moe()
+    set_backend(block, backend)
+    x = torch.from_numpy(np.random.default_rng(1).standard_normal((9, 64))).bfloat16()
+    grouped = block(x)
+    block.grouped = False
+    set_backend(block, "cpu")
+    assert (tensor_to_bits(grouped) == tensor_to_bits(block(x))).all()
+    assert torch.count_nonzero(grouped) > 0
+
+
+def test_the_models_take_the_grouped_call_by_default(monkeypatch):
+    """KimiMoE and ExactExperts run their experts through one grouped call per projection."""
+    calls = []
+    real = native.GROUPED.run_grouped
+    monkeypatch.setattr(type(native.GROUPED), "run_grouped",
+                        lambda self, *a, **kw: (calls.append(a[0].shape), real(*a, **kw))[1])
+    if "vnni-grouped" not in available_paths():
+        pytest.skip("no C kernel here")
+    kimi_moe()(torch.randn(5, 64).bfloat16())
+    assert len(calls) == 2  # gate and up, then down
+    assert ExactExperts(2, 64, 32, torch.nn.SiLU()).grouped
+
+
+# --------------------------------------------------------------------------- routing
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+@pytest.mark.parametrize("ids, says", [([[0, 5]], r"outside \[0, 4\]"),
+                                       ([[-1, 0]], r"outside \[0, 4\]"),
+                                       ([[2, 2]], "names expert 2 twice for token 0")],
+                         ids=["past-padding", "negative", "repeated"])
+def test_refused_routing_is_a_typed_error_on_both_paths(backend, ids, says):
+    skip_unless_backend(backend)
+    experts = experts_of(zero_case(4), backend)
+    x, weights = torch.ones(1, 64).bfloat16(), torch.ones(1, 2)
+    for call in (lambda: experts(x, torch.tensor(ids), weights),
+                 lambda: experts.per_expert(x, torch.tensor(ids), weights)):
+        with pytest.raises(ContractValueError, match=says):
+            call()
+
+
+def zero_case(experts: int, tokens: int = 1) -> MoECase:
+    """All-one weights and unit scales: only the shapes matter to the tests that take it."""
+    packed = pack_weights(np.ones((2 * 32 * experts, 64), np.int64), 4)
+    down = pack_weights(np.ones((64 * experts, 32), np.int64), 4)
+    return MoECase(np.zeros((tokens, 64), np.int64), BFLOAT16, 16,
+                   np.zeros((tokens, 1), np.int64), np.ones((tokens, 1), np.float32), experts,
+                   (packed, np.full((packed.shape[0], 2), 0x3F80)),
+                   (down, np.full((down.shape[0], 1), 0x3F80)))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_padding_slots_and_tokens_routed_nowhere_add_nothing(backend):
+    """transformers' padding id E (expert parallelism) routes a slot nowhere; a token routed
+    nowhere gets zeros, a NaN in it harms nothing (no expert reads it), and a call routing
+    nothing at all is zeros."""
+    skip_unless_backend(backend)
+    experts = experts_of(zero_case(3), backend)
+    x = torch.randn(3, 64).bfloat16()
+    x[2, 5] = float("nan")
+    ids = torch.tensor([[0, 3], [3, 3], [3, 3]])
+    y = experts(x, ids, torch.ones(3, 2))
+    assert torch.equal(y, experts.per_expert(x, ids, torch.ones(3, 2)))
+    assert bool((y[1:] == 0).all()) and bool((y[0] != 0).any())
+    assert torch.equal(experts(x[1:], ids[1:], torch.ones(2, 2)), torch.zeros(2, 64).bfloat16())
+
+
+@given(st.integers(1, 6), st.integers(1, 5), st.data())
+def test_routing_sorts_the_pairs_by_expert_and_counts_them(tokens, experts, data):
+    top_k = data.draw(st.integers(1, experts))
+    ids = torch.from_numpy(data.draw(routings(tokens, experts, top_k)))
+    routing = route(ids, experts)
+    flat = ids.reshape(-1)
+    experts_of_rows = flat[routing.pair]
+    assert (experts_of_rows[1:] >= experts_of_rows[:-1]).all()  # expert order
+    same = experts_of_rows[1:] == experts_of_rows[:-1]
+    assert (routing.pair[1:][same] > routing.pair[:-1][same]).all()  # then token, slot
+    counts = torch.bincount(flat, minlength=experts + 1)
+    assert routing.offsets.tolist() == [0, *counts.cumsum(0).tolist()]
+    assert int(routing.bad) == 0
+
+
+def test_routing_counts_refused_ids_where_it_may_not_read_them():
+    ids = torch.tensor([[0, 0], [1, 9], [2, -3]])
+    assert int(route(ids, 3, check=False).bad) == 3
+    with pytest.raises(ContractValueError, match="outside"):
+        route(ids, 3)
+
+
+# --------------------------------------------------------------------------- what it cannot do
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_a_non_finite_input_raises_the_loops_own_error(backend):
+    """A NaN in x, and an inf met by down (gate and up overflowed), raise what the per-expert
+    loop raises: the grouped call takes the loop where it meets either."""
+    skip_unless_backend(backend)
+    experts = experts_of(zero_case(2), backend)
+    ids, weights = torch.tensor([[1, 0], [0, 2]]), torch.ones(2, 2)
+    x = torch.randn(2, 64).bfloat16()
+    x[1, 7] = float("inf")
+    huge = torch.full((2, 64), 3e38).bfloat16()
+    for inputs_ in ((x, ids, weights), (huge, ids, weights)):
+        errors = []
+        for call in (experts, experts.per_expert):
+            with pytest.raises(NonFiniteError) as raised:
+                call(*inputs_)
+            errors.append(str(raised.value))
+        assert errors[0] == errors[1]
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_slow_rows_and_writes_through_any_door_are_seen(backend):
+    """An expert whose scales spread wider than any fast kernel holds (its slow rows come from
+    `wide`), and weights written in place between calls (param.data.copy_), as the loop sees
+    them."""
+    skip_unless_backend(backend)
+    experts = experts_of(zero_case(3), backend)
+    x, ids, weights = torch.randn(4, 64).bfloat16(), torch.tensor([[0, 1], [1, 2], [2, 0],
+                                                                  [1, 0]]), torch.rand(4, 2)
+    scale = experts[1].up_proj.weight_scale
+    scale.data.copy_(bits_to_tensor(np.where(np.arange(scale.numel()).reshape(scale.shape) % 2,
+                                             0x3F80, 0x1F80), "bfloat16"))  # 2**-64: spread 64
+    assert experts[1].up_proj.certificate.slow_rows.numel()
+    for _ in range(2):
+        y = experts(x, ids, weights)
+        set_backend(experts, "cpu")
+        assert torch.equal(y, experts.per_expert(x, ids, weights))
+        set_backend(experts, backend)
+        experts[2].down_proj.weight_packed.data.copy_(
+            torch.from_numpy(pack_weights(np.full((64, 32), -3), 4)))
+
+
+@pytest.mark.parametrize("backend", ALL_BACKENDS)
+def test_experts_of_other_widths_run_the_loop(backend):
+    skip_unless_backend(backend)
+    experts = experts_of(zero_case(2), backend)
+    experts[1].down_proj.act_bits = 8
+    x, ids, weights = torch.randn(2, 64).bfloat16(), torch.tensor([[0, 1], [1, 0]]), \
+        torch.ones(2, 2)
+    y = experts(x, ids, weights)
+    set_backend(experts, "cpu")
+    assert torch.equal(y, experts.per_expert(x, ids, weights))
+
+
+def test_no_grouped_kernel_here_warns_once_and_runs_the_loop(monkeypatch):
+    x, ids, weights = torch.randn(2, 64).bfloat16(), torch.tensor([[0, 1], [1, 0]]), \
+        torch.ones(2, 2)
+    want = experts_of(zero_case(2)).per_expert(x, ids, weights)
+    monkeypatch.setattr(native, "status", lambda: (None, no("the CPU lacks avx512_vnni")))
+    native.warn_fallback.cache_clear()
+    moe._warn_fallback.cache_clear()
+    experts = experts_of(zero_case(2))  # (a layer keeps its plans: new ones, without C)
+    with pytest.warns(native.FallbackWarning, match="grouped MoE kernel is not used.*lacks"):
+        assert torch.equal(experts(x, ids, weights), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", native.FallbackWarning)
+        experts(x, ids, weights)  # once
+    native.warn_fallback.cache_clear()
+    moe._warn_fallback.cache_clear()
+
+
+def test_a_forced_kernel_is_honoured_never_swapped(monkeypatch):
+    """EXACTNESS_KERNEL naming a layer's kernel runs each expert's layers with it; naming a
+    grouped kernel that cannot run here raises."""
+    experts = experts_of(zero_case(2))
+    x, ids, weights = torch.randn(2, 64).bfloat16(), torch.tensor([[0, 1], [1, 0]]), \
+        torch.ones(2, 2)
+    want = experts(x, ids, weights)
+    monkeypatch.setenv("EXACTNESS_KERNEL", "int64-matmul")
+    monkeypatch.setattr(type(native.GROUPED), "run_grouped", None)  # would fail if called
+    assert torch.equal(experts(x, ids, weights), want)
+    monkeypatch.setenv("EXACTNESS_KERNEL", "triton-grouped")
+    if "triton-grouped" not in available_paths():
+        with pytest.raises(KernelUnavailableError, match="triton-grouped"):
+            experts(x, ids, weights)
+
+
+def test_no_gradient_is_cut_silently():
+    experts = experts_of(zero_case(2))
+    x = torch.randn(2, 64).bfloat16().requires_grad_()
+    y = experts(x, torch.tensor([[0, 1], [1, 0]]), torch.ones(2, 2))
+    with pytest.raises(ContractValueError, match="no gradient"):
+        y.sum().backward()
+
+
+# --------------------------------------------------------------------------- the GPU's path
+
+SYNCS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.cpu, torch.Tensor.numpy,
+         torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
+         torch.Tensor.__index__, torch.equal, torch.Tensor.nonzero, torch.nonzero, torch.unique,
+         torch.Tensor.unique, torch.masked_select, torch.Tensor.masked_select}
+
+
+class CountReads(torch.overrides.TorchFunctionMode):
+    """Counts the calls that would wait for a GPU (a read of a device tensor on the host, or a
+    result whose shape depends on the data), outside the Triton interpreter's own launches."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads, self.launching = [], False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func in SYNCS and not self.launching:
+            self.reads.append(getattr(func, "__name__", str(func)))
+        if func is torch.Tensor.__getitem__ and any(
+                isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in _flat(args[1:])):
+            self.reads.append("boolean index")
+        return func(*args, **(kwargs or {}))
+
+
+def _flat(args):
+    for a in args:
+        yield from (_flat(a) if isinstance(a, tuple | list) else (a,))
+
+
+def test_the_gpu_path_reads_the_device_back_once_per_moe_layer_call(monkeypatch):
+    skip_unless_backend("triton")
+    from triton.runtime import interpreter
+
+    block = kimi_moe()
+    set_backend(block, "triton")
+    x = torch.randn(7, 64).bfloat16()
+    chosen, weights = block.gate(x)
+    counter = CountReads()
+    launch = interpreter.GridExecutor.__call__
+
+    def launching(self, *args, **kwargs):  # the interpreter copies to and from its "device"
+        counter.launching = True
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            counter.launching = False
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", launching)
+    experts = block.experts
+    with counter:
+        y = moe.experts_forward(experts, torch.nn.functional.silu, x, chosen, weights,
+                                torch.float32, lambda: pytest.fail("the loop ran"))
+    assert counter.reads == ["tolist"], counter.reads  # moe.read_back, once
+    set_backend(block, "cpu")
+    assert torch.equal(y, block.per_expert(x, chosen, weights))
+
+
+def test_the_plan_never_takes_a_grouped_kernel_for_a_layer_unasked():
+    """A grouped kernel is a layer's kernel only when asked for by name (one expert, every
+    row: test_modules checks each so); one grouped kernel a backend."""
+    assert [k.name for k in REGISTRY if k.grouped and k.auto] == []
+    assert sorted(BACKEND_OF.values()) == sorted(ALL_BACKENDS)
+    assert set(grouped_paths()) <= set(GROUPED)
+
+
+# --------------------------------------------------------------------------- the activation
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_silu_takes_the_same_bits_on_torchs_vector_and_scalar_paths(dtype):
+    """What lets `moe.activation` call SiLU on 16-bit outputs directly: every finite pattern
+    gives the same bits alone (torch's scalar path) and in a long tensor (its vector path)."""
+    bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+    x = bits.view(dtype)
+    x = x[torch.isfinite(x)]
+    vector = torch.nn.functional.silu(x)
+    scalar = torch.cat([torch.nn.functional.silu(x[i:i + 1]) for i in range(x.numel())])
+    assert torch.equal(vector.view(torch.int16), scalar.view(torch.int16))
+
+
+@given(st.integers(1, 40), st.integers(1, 3), seeds)
+def test_the_fp32_activation_gives_each_element_the_same_bits_anywhere(rows, width, seed):
+    """fp32 SiLU differs in the last bit between torch's paths, so `activation` runs every
+    element on the vector path: a row's bits do not depend on the rows around it."""
+    i = 32 * width
+    g = torch.Generator().manual_seed(seed)
+    gate, up = torch.randn(rows, i, generator=g) * 4, torch.randn(rows, i, generator=g)
+    both = tensor_to_bits(moe.activation(torch.nn.functional.silu, gate, up))
+    r = rows // 2
+    alone = tensor_to_bits(moe.activation(torch.nn.functional.silu, gate[r:r + 1], up[r:r + 1]))
+    assert (alone[0] == both[r]).all()
