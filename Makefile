@@ -9,7 +9,7 @@ export HYPOTHESIS_PROFILE
 export TRITON_INTERPRET ?= 1
 PYTEST_ARGS ?= -n 2
 
-.PHONY: setup test verify lint prove bench mutants repro precision clean
+.PHONY: setup test verify lint prove bench mutants mutmut repro precision clean
 
 setup: $(STAMP)
 
@@ -32,6 +32,14 @@ precision: setup
 mutants: setup
 	$(BIN)/python -m exactness mutants
 
+# mutmut (3.x), an outside tool's mutation score: at most MUTMUT_SECONDS, resumed where it
+# stopped by the next run; the score and survivors in reports/mutmut.txt (docs/VERIFY.md)
+MUTMUT_SECONDS ?= 3600
+mutmut: setup
+	$(BIN)/pip install -q mutmut==3.8.1
+	-TRITON_INTERPRET=1 timeout $(MUTMUT_SECONDS) $(BIN)/mutmut run --max-children 2
+	$(BIN)/python -m exactness.suite.mutmut_score
+
 repro: setup
 	$(BIN)/python -m exactness repro $(FILE)
 
@@ -46,4 +54,4 @@ lint: setup
 	$(BIN)/ruff check exactness tests proofs bench conftest.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis reports
+	rm -rf $(VENV) .pytest_cache .hypothesis reports mutants

@@ -29,6 +29,18 @@ def pytest_configure(config):
 def pytest_addoption(parser):
     parser.addoption("--stage", action="append", default=[],
                      help="run only the test modules of this make verify stage (repeatable)")
+    parser.addoption("--shard", default=None, metavar="I/N",
+                     help="run only shard I of N: every N-th test, by node id (make verify's "
+                          "--shard, for a CI matrix)")
+
+
+def shard_of(nodeids: list[str], shard: str) -> set[str]:
+    """The node ids of shard "I/N": the I-th of every N in node-id order (every test in exactly
+    one shard, each shard about 1/N of them)."""
+    i, n = (int(v) for v in shard.split("/"))
+    if not 1 <= i <= n:
+        raise ValueError(f"--shard must be I/N with 1 <= I <= N, got {shard!r}")
+    return {node for k, node in enumerate(sorted(nodeids)) if k % n == i - 1}
 
 
 def stage_of(item) -> str | None:
@@ -37,11 +49,14 @@ def stage_of(item) -> str | None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """--stage keeps the chosen stages' tests; every test records its stage for the JUnit XML
-    make verify reads (a user property)."""
-    chosen = config.getoption("stage")
-    if chosen:
-        kept = [item for item in items if stage_of(item) in chosen]
+    """--stage keeps the chosen stages' tests, --shard one shard of them; every test records its
+    stage for the JUnit XML make verify reads (a user property)."""
+    chosen, shard = config.getoption("stage"), config.getoption("shard")
+    if chosen or shard:
+        kept = [item for item in items if not chosen or stage_of(item) in chosen]
+        if shard:
+            mine = shard_of([item.nodeid for item in kept], shard)
+            kept = [item for item in kept if item.nodeid in mine]
         config.hook.pytest_deselected(items=[item for item in items if item not in kept])
         items[:] = kept
     for item in items:

@@ -19,8 +19,10 @@ from exactness.contract import (
 from exactness.formats import decode, pack_weights, unpack_weights
 from exactness.kernels import REGISTRY
 from exactness.suite.cases import load_vectors
-from exactness.suite.paths import BACKENDS, available_paths, device_of, layer_for
+from exactness.suite.paths import BACKENDS, available_paths, device_of, layer_for, require
 from exactness.suite.reference import reference_linear
+
+pytestmark = pytest.mark.stage("reliability")  # make verify's stage
 
 X = np.full((2, 64), 0x3F80)  # bf16 1.0
 PACKED = pack_weights(np.ones((3, 64), np.int64), 4)
@@ -111,8 +113,7 @@ def test_layer_non_finite_x_counts(path):
     """Every path refuses x with non-finite values of each kind, in each dtype (the C kernel and
     the Triton quantization flag their rows themselves), with the count and the first index.
     (triton-folded shares the Triton quantization and its flags.)"""
-    if path not in available_paths():
-        pytest.skip(f"{path} does not run here")
+    require(path)
     act16 = next(case for case in load_vectors() if case.act_bits == 16)  # every kernel holds it
     for bad, dtype in itertools.product([float("inf"), float("-inf"), float("nan")],
                                         [torch.bfloat16, torch.float16, torch.float32]):

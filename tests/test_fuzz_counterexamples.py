@@ -17,6 +17,8 @@ from exactness.suite import counterexamples, repro
 from exactness.suite.paths import run
 from exactness.suite.strategies import linear_cases, routed_cases
 
+pytestmark = pytest.mark.stage("reliability")  # make verify's stage
+
 PATTERN_KEYS = ("x_bits", "weight_packed", "weight_scale_bits", "expected_bits", "actual_bits")
 
 json_values = st.recursive(

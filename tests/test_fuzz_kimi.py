@@ -26,6 +26,8 @@ from exactness.kimi import (
 )
 from tests.kimi_checkpoints import join_safetensors, split_safetensors, write_checkpoint
 
+pytestmark = pytest.mark.stage("reliability")  # make verify's stage
+
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 TINY = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=128, n_routed_experts=1,
             num_experts_per_tok=1, num_hidden_layers=2)

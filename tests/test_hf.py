@@ -22,6 +22,8 @@ from exactness.suite.reference import reference_linear
 from tests.hf_checkpoints import TINY, checkpoint_tensors, tiny_model, write
 from tests.test_kimi import MALFORMED_HEADERS, MALFORMED_JSON, rewrite_tensor, set_key
 
+pytestmark = pytest.mark.stage("reliability")  # make verify's stage
+
 LAYOUTS = {"k2": False, "k25": True}
 
 

@@ -5,6 +5,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -23,6 +24,8 @@ from exactness.kimi import (
 )
 from exactness.suite.reference import reference_linear
 from tests.kimi_checkpoints import join_safetensors, split_safetensors, write_checkpoint
+
+pytestmark = pytest.mark.stage("reliability")  # make verify's stage
 
 SMALL = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=128, n_routed_experts=4,
              num_experts_per_tok=2, num_hidden_layers=2)
@@ -150,6 +153,66 @@ def test_bad_tensors_name_the_tensor_and_the_file(tmp_path, change, error, match
     with pytest.raises(error, match=match):
         convert_kimi_to_exact(model, ckpt)
     assert {n: type(m) for n, m in model.named_modules()} == before  # nothing half converted
+
+
+BAD_AT = {"first": "model.layers.1.mlp.experts.0.gate_proj",
+          "middle": "model.layers.1.mlp.experts.2.up_proj",
+          "last": "model.layers.1.mlp.experts.3.down_proj"}
+
+
+@pytest.mark.parametrize("where", BAD_AT)
+def test_a_bad_tensor_in_any_expert_leaves_the_model_as_it_was(tmp_path, where):
+    """All or nothing, wherever the bad tensor is: the first projection checked, a middle one,
+    or the last. The model is compared buffer by buffer, its module objects by identity."""
+    name = BAD_AT[where]
+    ckpt = corrupt(tmp_path, lambda c: rewrite_tensor(
+        c, f"{name}.weight_scale", torch.full((64 if "down" in name else 32, 1 if "down" in name
+                                               else 2), float("inf"), dtype=torch.bfloat16)))
+    model = KimiModel(KimiConfig(**SMALL))  # its routed experts reused: loaded in place
+    before = snapshot(model)
+    with pytest.raises(KimiCheckpointError, match=name.rpartition(".")[2]):
+        convert_kimi_to_exact(model, ckpt)
+    assert_unchanged(model, before)
+
+
+@pytest.mark.parametrize("act_bits", [4, 8, 16])
+@pytest.mark.parametrize("dense_bits", [None, 4, 8])
+def test_every_conversion_option_computes_at_its_setting(tmp_path, act_bits, dense_bits):
+    """convert_kimi_to_exact(act_bits, dense_bits): every routed projection computes at
+    act_bits, and every shared or dense one (with dense_bits) is from_weight's at those bits,
+    against the reference at that setting. The model's own exact layers (built at 16 bits) are
+    not kept at another act_bits."""
+    from exactness import ExactLinear
+    from exactness.suite.reference import oracle_quantize_weight
+
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    model = KimiModel(KimiConfig(**SMALL))
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, nn.Linear):
+                module.weight.copy_(torch.randn_like(module.weight) * 0.05)
+    dense = {n: m.weight.detach().clone() for n, m in model.named_modules()
+             if isinstance(m, nn.Linear)}
+    report = convert_kimi_to_exact(model, ckpt, act_bits=act_bits, dense_bits=dense_bits)
+    assert len(report.left_bf16) == (len(dense) if dense_bits is None else 0)
+    x = {64: torch.randn(3, 64).bfloat16(), 32: torch.randn(3, 32).bfloat16(),
+         128: torch.randn(3, 128).bfloat16()}
+    for name, layer in model.named_modules():
+        if not isinstance(layer, PackedInt4Linear | ExactLinear):
+            continue
+        want_bits = 4 if name not in dense else dense_bits
+        assert (layer.act_bits, layer.bits) == (act_bits, want_bits), name
+        xin = x[layer.in_features]
+        want = reference_linear(tensor_to_bits(xin), "bfloat16", layer.weight_packed.numpy(),
+                                float_bits(layer.weight_scale).numpy(), act_bits=act_bits,
+                                w_bits=want_bits)
+        assert (tensor_to_bits(layer(xin)) == want).all(), name
+        if name in dense:  # from_weight's own quantization of the bf16 weight
+            q, scales = oracle_quantize_weight(tensor_to_bits(dense[name]), "bfloat16",
+                                               dense_bits)
+            assert (float_bits(layer.weight_scale).numpy() == np.array(scales)).all(), name
+    assert sum(isinstance(m, ExactLinear) for m in model.modules()) == (
+        0 if dense_bits is None else len(dense))
 
 
 def edit_json(file: Path, edit):

@@ -19,7 +19,7 @@ from exactness.kernels import REGISTRY, KernelUnavailableError, native, triton_e
 from exactness.kernels.registry import no
 from exactness.suite.cases import LinearCase, load_vectors
 from exactness.suite.counterexamples import check_bits
-from exactness.suite.paths import BACKENDS, available_paths, device_of, layer_for, run
+from exactness.suite.paths import BACKENDS, available_paths, layer_for, require, run
 from exactness.suite.reference import quantize_activations
 from exactness.suite.strategies import (
     KIMI_SHAPES,
@@ -37,7 +37,6 @@ LAYER_PATHS = [p for p in available_paths() if p in BACKENDS]  # the layer as it
 KERNELS = [kernel.name for kernel in REGISTRY]
 needs_triton = pytest.mark.skipif("triton" not in LAYER_PATHS,
                                   reason="Triton needs a GPU or TRITON_INTERPRET=1")
-needs_native = pytest.mark.skipif(native.library() is None, reason="no C kernel here")
 
 
 def check_path(case, path):
@@ -46,13 +45,8 @@ def check_path(case, path):
 
 def skip_unless_here(path: str) -> None:
     """Each path is a test id on every machine (a mutant's killer names it); one that cannot run
-    here skips, saying why."""
-    if path not in available_paths():
-        kernel = next((k for k in REGISTRY if k.name == path), None)
-        device = device_of(path)
-        why = (kernel.available(torch.device(device)).why if kernel and device
-               else "Triton needs a GPU or TRITON_INTERPRET=1")
-        pytest.skip(f"{path} does not run here: {why}")
+    here skips, saying why, and one refused where it should run fails (paths.require)."""
+    require(path)
 
 
 @pytest.mark.parametrize("path", KERNELS)
@@ -92,7 +86,6 @@ def test_path_matches_reference(path, data):
     check_path(case, path)
 
 
-@needs_native
 def test_span_kernel_at_the_int32_edge():
     """Every weight -8 and every activation +Qa: every sum as large as its bound allows.
     Scales 510 and 255 (c = 510, 255): unshifted blocks, where a chain of a 510 group sums
@@ -100,6 +93,7 @@ def test_span_kernel_at_the_int32_edge():
     1020 (c = 1020: a chain would wrap): spans in that block, one group each, as a group sums
     32 * 32767 * 8 * 255, also just under 2**31. Scales 1.0 and one 2**12: f = 1, so groups
     share spans until the wide one."""
+    skip_unless_here("vnni-spans")
     m, k, n = 4, 256, 20
     x = np.full((m, k), 0x46FFFE00, np.int64)  # fp32 32767.0: e_r = 0, qa = Qa
     q = np.full((n, k), -8, np.int64)
@@ -117,6 +111,46 @@ def test_span_kernel_at_the_int32_edge():
         assert bool(ends[0].all()) == one_group_spans
 
 
+@pytest.mark.parametrize("chain", ["k0-k2", "k1-k3"])
+@pytest.mark.parametrize("factor", [510, 516], ids=["at-the-limit", "one-step-past"])
+def test_span_bounds_attacked_one_chain_at_a_time(chain, factor):
+    """A bound that holds for a group can fail for one of its parts: here the span kernel's two
+    int32 chains (pairs (k0, k2) and (k1, k3) of each 4 k), loaded one at a time, every weight
+    of the loaded chain -8 and every activation +Qa. With factors 255 and 510 the loaded chain
+    sums 16 * 32767 * 8 * 510, just under 2**31: the block stays unshifted. With 255 and 516
+    (one step past) a chain would wrap, and the certificate must send the block to spans."""
+    skip_unless_here("vnni-spans")
+    m, k, n = 4, 64, 16
+    x = np.full((m, k), 0x46FFFE00, np.int64)  # fp32 32767.0: e_r = 0, qa = Qa
+    loaded = np.isin(np.arange(k) % 4, (0, 2) if chain == "k0-k2" else (1, 3))
+    q = np.where(loaded, -8, 0) * np.ones((n, 1), np.int64)
+    scales = np.tile([0x437F, 0x43FF if factor == 510 else 0x4401], (n, 1))  # 255; 510 or 516
+    case = LinearCase(x, FLOAT32, q, pack_weights(q, 4), scales, 16, FLOAT32, 4)
+    check_path(case, "vnni-spans")
+    layer = layer_for(case, "vnni-spans")
+    layer(bits_to_tensor(x, FLOAT32))
+    assert layer.prepared("vnni-spans").spans[3].tolist() == [int(factor == 510)]
+
+
+@pytest.mark.parametrize("edge", [-9, -8, 7, 8])
+def test_the_c_layout_chosen_from_the_weights_range_at_its_edges(edge):
+    """8-bit weights every one of which fits 4 bits take the C kernel's nibble layout; one
+    weight just past either end of [-8, 7] takes the byte layout. Weights at each edge, just
+    inside and just outside, on both C paths."""
+    skip_unless_here("vnni-limbs")
+    rng = np.random.default_rng(edge + 9)
+    m, k, n = 5, 64, 16
+    q = rng.integers(-8, 8, (n, k))
+    q[3, 17] = edge
+    x = rng.integers(0x3C00, 0x4000, (m, k)) | (rng.integers(0, 2, (m, k)) << 15)
+    case = LinearCase(x, BFLOAT16, q, pack_weights(q, 8), 0x3C00 + rng.integers(0, 256, (n, 2)),
+                      8, BFLOAT16, 8)
+    for path in ("vnni-limbs", "vnni-grouped"):
+        check_path(case, path)
+    layer = layer_for(case, "vnni-limbs")
+    assert layer.prepared("vnni-limbs").nibbles == (-8 <= edge <= 7)
+
+
 def one_wide_group(n: int, k: int, scale: int, wide: int) -> np.ndarray:
     """Scale bits `scale` everywhere but `wide` in the first row's last group."""
     scales = np.full((n, k // 32), scale)
@@ -124,10 +158,10 @@ def one_wide_group(n: int, k: int, scale: int, wide: int) -> np.ndarray:
     return scales
 
 
-@needs_native
 @given(linear_cases(max_k=128, max_n=20, max_rows=4, w_bits=4, act_bits_=16))
 def test_rows_agree_across_the_kernel_switch(case):
     """A row's bits are the same whether its batch takes the limb kernel or the span kernel."""
+    skip_unless_here("vnni-spans")
     layer = layer_for(case, "cpu")
     x = bits_to_tensor(case.x_bits, case.x_format)
     alone = tensor_to_bits(layer(x))  # fewer rows than SPAN_MIN_ROWS: the limb kernel
@@ -155,14 +189,55 @@ def test_no_compiler_or_cache_means_no_c_kernel_not_a_crash(tmp_path, monkeypatc
     assert "no C compiler" in native.build("int x;")[1].why
 
 
-@needs_native
 def test_the_self_check_names_what_failed():
     """The verdict names the check and its input, not only that it failed."""
+    skip_unless_here("vnni-limbs")
     from exactness.suite.mutants import CATALOGUE, mutated_c_kernel
 
     verdict = native._self_check(mutated_c_kernel(next(
         m for m in CATALOGUE if m.name == "vnni-rounding-ties-up")))
     assert not verdict and "self-check failed on" in verdict.why and "float" in verdict.why
+
+
+def int_mm_through_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """An int8 GEMM as some backends run it, through fp32: exact only while its sums stay
+    within fp32's 24-bit significand."""
+    return (a.float() @ b.float()).to(torch.int32)
+
+
+MACHINES = {  # what this CPU would not do, simulated: (the C kernel's status, torch._int_mm)
+    "no-vnni": (no("the CPU lacks avx512_vnni"), None, "int8-gemm"),
+    "no-vnni-int-mm-inexact": (no("the CPU lacks avx512_vnni"), int_mm_through_fp32,
+                               "int64-matmul"),
+}
+
+
+@pytest.mark.parametrize("machine", MACHINES)
+def test_every_cpu_path_the_plan_takes_on_another_machine(machine, monkeypatch):
+    """The layer's own plan on CPUs this one is not: without AVX-512 VNNI (int8-gemm), and
+    with a torch._int_mm that is not exact (int64-matmul, which no machine here picks). The
+    plan picks the path such a machine would, and it gives the reference's bits, at K past
+    fp32's exact sums (where an inexact _int_mm shows)."""
+    from exactness.kernels import cpu
+
+    status, int_mm, want = MACHINES[machine]
+    monkeypatch.setattr(native, "status", lambda: (None, status))
+    monkeypatch.setattr(native, "warn_fallback", lambda why: None)
+    if int_mm is not None:
+        monkeypatch.setattr(torch, "_int_mm", int_mm)
+    cpu.int_mm_exact.cache_clear()
+    try:
+        @settings(max_examples=max(10, settings.default.max_examples // 3))
+        @given(linear_cases(max_k=2048, max_n=8, max_rows=4, min_k=1024))
+        def check(case):
+            layer = layer_for(case, "cpu")
+            x = bits_to_tensor(case.x_bits, case.x_format)
+            check_bits(case, want, tensor_to_bits(layer(x)), run(case, "reference"))
+            assert layer.plan(x).kernel.name == want
+
+        check()
+    finally:
+        cpu.int_mm_exact.cache_clear()
 
 
 def test_a_fallback_from_the_c_kernel_warns_once_saying_why(monkeypatch):
@@ -426,14 +501,17 @@ def test_determinism_across_runs():
 # --------------------------------------------------------------------------- from_weight
 
 
-@given(st.sampled_from((4, 8)), st.sampled_from(list(FORMATS.values())), seeds,
-       st.sampled_from((1e-30, 1e-3, 1.0, 1e4)))
-def test_from_weight_matches_the_oracle_quantizer(bits, fmt, seed, magnitude):
+@given(st.sampled_from((4, 8)), st.sampled_from(list(FORMATS.values())), seeds, st.data())
+def test_from_weight_matches_the_oracle_quantizer(bits, fmt, seed, data):
+    """At every magnitude the format holds, its subnormals too: down to groups whose scale must
+    be a subnormal bf16 (amax below 7 * 2**-126), and an all-zero group."""
     from exactness.suite.reference import oracle_quantize_weight
 
     rng = np.random.default_rng(seed)
-    w = torch.from_numpy(rng.standard_normal((3, 64)) * magnitude).to(
-        bits_to_tensor(np.zeros(1, np.int64), fmt).dtype)
+    top = 2 ** (fmt.exp_bits - 1) - 4  # randn * 2**top stays finite
+    exponent = data.draw(st.integers(fmt.quantum_min + 2, top) | st.integers(-140, -120)
+                         .filter(lambda e: e >= fmt.quantum_min), label="exponent")
+    w = torch.from_numpy(rng.standard_normal((3, 64)) * 2.0**exponent).to(torch_dtype(fmt))
     w[0, :32] = 0
     layer = ExactLinear.from_weight(w, bits=bits)
     want_q, want_scale = oracle_quantize_weight(tensor_to_bits(w), fmt, bits)
@@ -556,9 +634,8 @@ def test_the_vnni_self_check_refuses_a_broken_layout():
     """Had the kernel's layout been wrong at start-up, the layer would not have trusted it."""
     from exactness.suite.mutants import CATALOGUE, applied
 
+    skip_unless_here("vnni-limbs")
     lib = native.library()
-    if lib is None:
-        pytest.skip("no AVX-512 VNNI here")
     for name in ("vnni-rows-interleaved-wrong", "vnni-scale-of-the-neighbour-group"):
         with applied(next(m for m in CATALOGUE if m.name == name)):
             assert not native._self_check(lib)

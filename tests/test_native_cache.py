@@ -14,6 +14,8 @@ import pytest
 
 from exactness.kernels import native
 
+pytestmark = pytest.mark.stage("reliability")  # make verify's stage
+
 ENTRY_POINTS = ("exact_linear_vnni", "exact_linear_spans", "row_exponents", "quantize_limbs",
                 "round_rows", "exact_grouped")
 # builds and loads in a fraction of a second (build only binds the entry points, never calls them)

@@ -14,10 +14,13 @@ from exactness.contract import (
     NonFiniteError,
     ShapeError,
 )
+from exactness.dataflow import certified_spread
 from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits
 from exactness.kernels import REGISTRY, wide
-from exactness.suite.paths import device_of
+from exactness.suite.paths import require
 from exactness.suite.reference import reference_linear
+
+pytestmark = pytest.mark.stage("reliability")  # make verify's stage
 
 N, K, M = 16, 96, 3
 KERNELS = [kernel.name for kernel in REGISTRY if kernel.name != "triton-folded"]  # (M > 16)
@@ -42,12 +45,8 @@ def layer_of(weights: dict, kernel: str | None = None) -> PackedInt4Linear:
 
 def here(kernel: str) -> PackedInt4Linear:
     """A layer forced onto `kernel`, or a skip that says why it does not run here."""
-    layer = layer_of(checkpoint(0), kernel)
-    device = torch.device(device_of(kernel) or "cpu")
-    fit = next(k for k in REGISTRY if k.name == kernel).available(device)
-    if not fit:
-        pytest.skip(f"{kernel} does not run here: {fit.why}")
-    return layer
+    require(kernel)
+    return layer_of(checkpoint(0), kernel)
 
 
 X = torch.randn(M, K, generator=torch.Generator().manual_seed(1)).bfloat16()
@@ -101,6 +100,40 @@ def test_weights_written_through_any_door_are_seen_at_the_next_forward(kernel, d
     assert (bits(layer(X)) == want).all()
     door(layer, checkpoint(0))  # and back: nothing cached from the second weights either
     assert (bits(layer(X)) == before).all()
+
+
+def changed(kind: str) -> dict:
+    """checkpoint(0) with one kind of change: the words alone ("packed"); every scale doubled,
+    which moves each row's emin and leaves its factors ("emin"); each row's largest scale
+    doubled, which moves a factor and leaves emin ("factors"); one scale pushed past the
+    certified spread, which turns a fast row slow ("slow")."""
+    new = checkpoint(0)
+    scales = new["weight_scale"].view(torch.int16).clone()
+    if kind == "packed":
+        new["weight_packed"] = checkpoint(1)["weight_packed"]
+    elif kind == "emin":
+        scales += 1 << 7  # the exponent field
+    elif kind == "factors":
+        largest = scales.argmax(1)  # a group above emin (3 groups over 2 binades), or any
+        scales[torch.arange(N), largest] += 1 << 7
+    else:
+        scales[0, 0] += (certified_spread(K, 4, 16) + 1) << 7
+    new["weight_scale"] = scales.view(torch.bfloat16)
+    return new
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kind", ["packed", "emin", "factors", "slow"])
+def test_each_kind_of_weight_change_is_seen_on_every_path(kernel, kind):
+    """Whatever a write changes (words, emin, factors, a row's speed), the next forward has
+    the new weights' bits on every kernel: no derived data outlives the part it came from."""
+    layer = here(kernel)
+    before = bits(layer(X))
+    new = changed(kind)
+    want = bits(layer_of(new, kernel)(X))
+    assert (want != before).any()
+    through_data_copy(layer, new)
+    assert (bits(layer(X)) == want).all()
 
 
 def test_a_non_finite_scale_written_in_place_is_refused():

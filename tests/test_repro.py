@@ -14,6 +14,8 @@ import pytest
 from exactness.contract import ExactnessError
 from exactness.suite import counterexamples, repro
 
+pytestmark = pytest.mark.stage("reliability")  # make verify's stage
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -49,10 +51,9 @@ def test_planted_grouped_kernel_bug_is_caught_saved_and_replayed(tmp_path):
     """A grouped kernel's bug (the neighbouring expert's weights) fails the grouped projection
     property, which leaves a counterexample with its routing; it replays as still failing under
     the bug, naming the expert, and as fixed without it."""
-    from exactness.kernels import native
+    from exactness.suite.paths import require
 
-    if native.library() is None:
-        pytest.skip("no C kernel here: the planted bug is in it")
+    require("vnni-grouped")  # the planted bug is in the C kernel
     env = {"EXACTNESS_MUTANT": "grouped-neighbouring-experts-weights",
            "EXACTNESS_COUNTEREXAMPLES": str(tmp_path), "HYPOTHESIS_PROFILE": "ci-kill"}
     test = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",

@@ -1,15 +1,17 @@
 """make verify's pytest sessions: one session, a verdict per stage, never a silent pass."""
 
+import os
 import subprocess
+import sys
 
 import pytest
 
 from exactness.suite import verify
 
 
-def session_outcome(monkeypatch, tmp_path, returncode: int, cases: list[tuple[str, bool]]):
+def session_outcome(monkeypatch, tmp_path, returncode: int, cases: list[tuple[str, bool | str]]):
     """Runs a two-stage PytestSession on a pytest stand-in that exits `returncode` and leaves a
-    JUnit XML of `cases` (classname, failed); each stage's result."""
+    JUnit XML of `cases` (classname, failed; "skip" for a skipped one); each stage's result."""
     monkeypatch.setattr(verify, "REPORTS", tmp_path)
     session = verify.PytestSession("s")
     session.stage("first", "")
@@ -22,7 +24,8 @@ def session_outcome(monkeypatch, tmp_path, returncode: int, cases: list[tuple[st
         body = "".join(f'<testcase classname="{name}" name="t{i}" time="1.5">'
                        + (f'<properties><property name="stage" value="{stage_of[name]}"/>'
                           f'</properties>' if name in stage_of else "")
-                       + f'{"<failure/>" if failed else ""}</testcase>'
+                       + ('<skipped message="no C kernel here"/>' if failed == "skip"
+                          else "<failure/>" if failed else "") + "</testcase>"
                        for i, (name, failed) in enumerate(cases))
         (tmp_path / "junit-s.xml").write_text(f"<testsuites><testsuite>{body}"
                                               f"</testsuite></testsuites>")
@@ -51,6 +54,36 @@ def test_an_unexplained_outcome_is_unknown(monkeypatch, tmp_path, returncode, ca
     assert "failed" not in {r.verdict for r in got.values()}
 
 
+def test_a_stage_that_skipped_a_check_is_unknown_never_passed(monkeypatch, tmp_path):
+    """A check that did not run vouches for nothing: its stage is unknown, and says which check
+    and why, however many others passed."""
+    got = session_outcome(monkeypatch, tmp_path, 0, [
+        ("tests.test_a", False), ("tests.test_b", False), ("tests.test_c.TestClass", "skip")])
+    assert got["first"].verdict == "passed"
+    assert got["second"].verdict == "unknown" and got["second"].checks == 2
+    assert "1 of 2 checks skipped" in got["second"].detail
+    assert "no C kernel here" in got["second"].detail
+
+
+def test_a_c_kernel_refused_where_it_should_run_fails_its_checks(monkeypatch):
+    """On a CPU with AVX-512 VNNI and a compiler, a C kernel refused (its build or its
+    self-check) is a failure of every check of it, naming why, not a skip."""
+    from exactness.kernels import native
+    from exactness.kernels.registry import no
+    from exactness.suite import paths
+
+    refused = no("its self-check failed on the accumulation (exact_linear_vnni, 4-bit weights)")
+    monkeypatch.setattr(native, "status", lambda: (None, refused))
+    monkeypatch.setattr(native, "warn_fallback", lambda why: None)
+    monkeypatch.setattr(native, "_missing_features", lambda: [])
+    monkeypatch.setenv("CC", "sh")  # a compiler on PATH
+    with pytest.raises(pytest.fail.Exception, match="self-check failed on the accumulation"):
+        paths.require("vnni-limbs")
+    monkeypatch.setattr(native, "_missing_features", lambda: ["avx512_vnni"])
+    with pytest.raises(pytest.skip.Exception, match="self-check failed"):
+        paths.require("vnni-limbs")  # no VNNI: an honest skip
+
+
 @pytest.mark.parametrize("thorough, stages, verdict, recorded", [
     (True, None, "passed", True),
     (False, None, "passed", False),  # the ci profile vouches for nothing thorough
@@ -69,3 +102,75 @@ def test_only_an_exact_thorough_run_of_every_stage_is_recorded_for_the_gate(
     monkeypatch.setattr(gate, "record_thorough_verdict", lambda *args: calls.append(args))
     assert verify.run(thorough, stages) == (0 if verdict == "passed" else 1)
     assert len(calls) == recorded
+
+
+def test_a_kernel_refused_by_its_self_check_fails_make_verify(tmp_path):
+    """A miscompiled C kernel (a compiler that truncates where the source rounds) fails its
+    start-up self-check; where the CPU could run it, make verify then exits non-zero, naming the
+    check that failed, instead of verifying the other paths and passing."""
+    from exactness.suite.paths import native_expected
+
+    if not native_expected():
+        pytest.skip("the C kernel does not run here: no AVX-512 VNNI or no compiler")
+    planting = tmp_path / "cc"
+    planting.write_text("#!/bin/sh\nfor a; do case \"$a\" in *.c) sed -i "
+                        "'s/_MM_FROUND_TO_NEAREST_INT/_MM_FROUND_TO_ZERO/' \"$a\";; esac; done\n"
+                        "exec cc \"$@\"\n")
+    planting.chmod(0o755)
+    env = {**os.environ, "CC": str(planting), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, "-m", "exactness", "verify", "--stage", "vectors"],
+                          cwd=verify.ROOT, env=env, capture_output=True, text=True)
+    assert done.returncode == 1, done.stdout
+    assert "NOT exact" in done.stdout and "self-check failed" in done.stdout, done.stdout
+
+
+def test_two_shards_cover_what_one_run_covers():
+    """verify --shard 1/2 and 2/2 together run every check of one run, each once: every stage
+    that is no pytest session on exactly one shard, and each pytest stage's tests split
+    between the two (collected as make verify's session collects them)."""
+    from exactness.suite.mutants import run_tests
+
+    for n in (2, 3):
+        alone = [s for s in verify.STAGES if s.session is None]
+        assert sorted(verify.stage_shard(s, n) for s in alone) == sorted(
+            k % n + 1 for k in range(len(alone)))
+    stages = [f"--stage={s.name}" for s in verify.STAGES if s.session is not None]
+
+    def collected(*args):
+        code, outcomes = run_tests(["tests"], collect_only=True, extra=[*stages, *args])
+        assert code == 0, outcomes.report[-2000:]
+        return set(outcomes.collected)
+
+    whole, first, second = collected(), collected("--shard=1/2"), collected("--shard=2/2")
+    assert whole and first and second and not first & second
+    assert first | second == whole
+    assert abs(len(first) - len(second)) <= 1
+
+
+def test_the_example_database_is_the_directory_ci_keeps_and_its_artifacts(monkeypatch, tmp_path):
+    """The dev and thorough profiles' database: EXACTNESS_HYPOTHESIS_DB's directory (CI keeps
+    it between runs and uploads it), and CI's artifacts read-only where named, so a failure
+    found in CI replays first here."""
+    from hypothesis.database import (
+        DirectoryBasedExampleDatabase,
+        GitHubArtifactDatabase,
+        MultiplexedDatabase,
+    )
+
+    from exactness.suite.profiles import example_database
+
+    monkeypatch.setenv("EXACTNESS_HYPOTHESIS_DB", str(tmp_path))
+    monkeypatch.delenv("EXACTNESS_HYPOTHESIS_GITHUB", raising=False)
+    local = example_database()
+    assert isinstance(local, DirectoryBasedExampleDatabase) and local.path == tmp_path
+    local.save(b"key", b"a failing example")
+    monkeypatch.setenv("EXACTNESS_HYPOTHESIS_GITHUB", "owner/repo:db-1,db-2")
+    both = example_database()
+    assert isinstance(both, MultiplexedDatabase)
+    shared = [db._wrapped for db in both._wrapped[1:]]
+    assert [db.artifact_name for db in shared] == ["db-1", "db-2"]
+    assert all(isinstance(db, GitHubArtifactDatabase) for db in shared)
+    assert list(both._wrapped[0].fetch(b"key")) == [b"a failing example"]
+    monkeypatch.setenv("EXACTNESS_HYPOTHESIS_GITHUB", "no-slash")
+    with pytest.raises(ValueError, match="OWNER/REPO"):
+        example_database()

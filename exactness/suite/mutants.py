@@ -16,7 +16,7 @@ import sys
 import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -151,9 +151,11 @@ class _Outcomes:
             self.calls[report.nodeid] = "skipped"
 
 
-def run_tests(node_ids, stop_at_first_failure: bool = False, collect_only: bool = False):
+def run_tests(node_ids, stop_at_first_failure: bool = False, collect_only: bool = False,
+              extra: tuple[str, ...] = ()):
     """The tests `node_ids` ("tests/test_x.py::test_y[param]") run by pytest itself, in this
-    process (so a mutant applied here is in them): (pytest's exit code, _Outcomes)."""
+    process (so a mutant applied here is in them), with `extra` options: (pytest's exit code,
+    _Outcomes)."""
     import contextlib
     import io
 
@@ -164,7 +166,7 @@ def run_tests(node_ids, stop_at_first_failure: bool = False, collect_only: bool 
     options = ["-q", "-p", "no:cacheprovider", f"--rootdir={ROOT}", "-o", "addopts=",
                "--tb=line", "-W", "ignore::pytest.PytestAssertRewriteWarning",
                *(["-x"] if stop_at_first_failure else []),
-               *(["--collect-only"] if collect_only else [])]
+               *(["--collect-only"] if collect_only else []), *extra]
     with contextlib.redirect_stdout(io.StringIO()) as report:  # the caller's table stays clean
         code = pytest.main([*options, *args], plugins=[outcomes])
     outcomes.report = report.getvalue()
@@ -180,12 +182,14 @@ class Verdict:
     killed_by: str | None
     survivors: list[str]
     error: str | None
+    failed: list[str] = field(default_factory=list)  # every killer that failed (all run)
 
 
-def judge(mutant: Mutant, killers, every: bool = False) -> Verdict:
-    """Run `killers` under the mutant: the first must fail (with `every`, each must)."""
+def judge(mutant: Mutant, killers, every: bool = False, all_killers: bool = False) -> Verdict:
+    """Run `killers` under the mutant: the first must fail (with `every`, each must); with
+    `all_killers` each runs, to count how many fail (the kill's strength)."""
     with applied(mutant):
-        code, outcomes = run_tests(killers, stop_at_first_failure=not every)
+        code, outcomes = run_tests(killers, stop_at_first_failure=not (every or all_killers))
     ids = {node: _collected_as(node, outcomes.collected) for node in killers}
     missing = [node for node, found in ids.items() if found is None]
     failed = [node for node, found in ids.items() if outcomes.calls.get(found) == "failed"]
@@ -199,7 +203,8 @@ def judge(mutant: Mutant, killers, every: bool = False) -> Verdict:
         error = f"skipped (not a kill): {skipped}"
     survivors = [node for node in ran if node not in failed]
     killed = (failed and not survivors) if every else bool(failed)
-    return Verdict(mutant.name, failed[0] if killed and not error else None, survivors, error)
+    return Verdict(mutant.name, failed[0] if killed and not error else None, survivors, error,
+                   failed)
 
 
 def _collected_as(node: str, collected: list[str]) -> str | None:
@@ -217,10 +222,13 @@ class Outcome:
     counterexample: str | None
     size: str | None  # M x K x N of the shrunk counterexample
     replays_clean: bool | None  # repro of that file against the unmutated code passes
+    strength: int = 0  # how many of its killers failed
+    killers: int = 0  # how many it names
 
 
 def hunt(mutant: Mutant, directory: Path) -> Outcome:
-    """Run the mutant's killers in order until one fails; keep its shrunk counterexample."""
+    """Run every killer of the mutant, counting those that fail (the kill's strength); keep the
+    shrunk counterexample of the last."""
     import importlib as _importlib
     import os
     import shutil
@@ -230,7 +238,7 @@ def hunt(mutant: Mutant, directory: Path) -> Outcome:
     directory.mkdir(parents=True)
     os.environ["EXACTNESS_COUNTEREXAMPLES"] = str(directory)
     start, began = time.perf_counter(), time.time()
-    verdict = judge(mutant, mutant.killers)
+    verdict = judge(mutant, mutant.killers, all_killers=True)
     seconds = time.perf_counter() - start
     files = sorted(directory.glob("*.json"), key=lambda f: f.stat().st_mtime_ns)
     first = files[0].stat().st_mtime - began if files and verdict.killed_by else None
@@ -250,11 +258,13 @@ def hunt(mutant: Mutant, directory: Path) -> Outcome:
     _importlib.invalidate_caches()
     return Outcome(mutant.name, verdict.killed_by, verdict.error,
                    None if first is None else round(first, 2), round(seconds, 2),
-                   str(kept) if kept else None, size, clean)
+                   str(kept) if kept else None, size, clean, len(verdict.failed),
+                   len(mutant.killers))
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`make mutants`: every mutant against the suite's properties (ci profile), one table."""
+    """`make mutants`: every mutant against the suite's properties (ci profile), one table;
+    "kills" counts the killers that fail, and a mutant only one test kills is flagged (weak)."""
     import argparse
     import json
     import os
@@ -273,8 +283,8 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     outcomes = []
-    print(f"{'mutant':<42} {'verdict':<9} {'first cex s':>11} {'total s':>8}  {'size':<12} "
-          f"killed by")
+    print(f"{'mutant':<42} {'verdict':<9} {'kills':>5} {'first cex s':>11} {'total s':>8}  "
+          f"{'size':<12} killed by")
     for mutant in CATALOGUE:
         if args.only and mutant.name not in args.only:
             continue
@@ -287,14 +297,18 @@ def main(argv: list[str] | None = None) -> int:
         if o.killed_by and o.replays_clean is False:
             verdict = "killed*"  # its counterexample does not replay clean unmutated
         first = "-" if o.seconds_to_first is None else f"{o.seconds_to_first:.2f}"
-        print(f"{o.mutant:<42} {verdict:<9} {first:>11} {o.seconds:>8.2f}  {o.size or '-':<12} "
-              f"{o.killed_by or o.error or '-'}", flush=True)
+        kills = f"{o.strength}/{o.killers}" + ("!" if o.killed_by and o.strength == 1 else "")
+        print(f"{o.mutant:<42} {verdict:<9} {kills:>5} {first:>11} {o.seconds:>8.2f}  "
+              f"{o.size or '-':<12} {o.killed_by or o.error or '-'}", flush=True)
     killed = [o for o in outcomes if o.killed_by]
     firsts = [o.seconds_to_first for o in killed if o.seconds_to_first is not None]
     ok = len(killed) == len(outcomes) and all(o.replays_clean is not False for o in killed)
     print(f"\n{len(killed)}/{len(outcomes)} killed"
           f"{f', median time to the first counterexample {statistics.median(firsts):.2f} s' if firsts else ''}"  # noqa: E501
           f"; counterexamples in {out}/")
+    weak = [o.mutant for o in killed if o.strength == 1]
+    if weak:
+        print(f"weak (one test kills it, marked !): {len(weak)}: {', '.join(weak)}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "mutants.json").write_text(json.dumps([asdict(o) for o in outcomes], indent=1))
     return 0 if ok else 1
@@ -339,6 +353,7 @@ BATCH = "tests/test_modules.py::test_batch_and_permutation_invariance"
 NON_FINITE = "tests/test_errors.py::test_layer_non_finite_x_counts[triton-group]"
 QUANTIZE_SLICES = "tests/test_modules.py::test_the_quantize_kernel_at_any_slicing_and_tile"
 SPANS_EDGE = "tests/test_modules.py::test_span_kernel_at_the_int32_edge"
+SPANS_CHAIN = "tests/test_modules.py::test_span_bounds_attacked_one_chain_at_a_time"
 GROUPED_KERNEL = "exactness.kernels.triton_grouped:grouped_kernel"
 
 
@@ -421,7 +436,7 @@ CATALOGUE = (
     Mutant("kernel-int4-word-stride-hard-coded", KERNEL,
            "(g * W_BITS + offs_w)", "(g * 4 + offs_w)",
            "a group's word offset hard-coded for int4: 8-bit weights read from the wrong words",
-           (TRITON, TRITON_VECTORS)),
+           (TRITON,)),  # weak: the equivalence property is the one 8-bit Triton check
     # --- accumulators
     Mutant("kernel-int32-combine", "exactness.kernels.triton_exact:group_constants",
            "COMBINE_ACC=_INT[dataflow.COMBINE_ACC_BITS]", "COMBINE_ACC=_INT[32]",
@@ -432,7 +447,7 @@ CATALOGUE = (
            "a limb's place value lost when combining int8 GEMMs", (GEMM, GEMM_VECTORS)),
     Mutant("limb-saturates", "exactness.dataflow:int8_digits",
            "low = ((rest + 128) & 255) - 128", "low = rest.clamp(-128, 127)",
-           "saturating instead of splitting into limbs", (GEMM, TRITON)),
+           "saturating instead of splitting into limbs", (GEMM, equivalence("int64-matmul"))),
     Mutant("overflow-wraps-instead-of-inf", "exactness.formats:round_scaled_array",
            "xp.where(field >= fmt.exp_max_field, fmt.inf_bits,\n"
            "                 (field << fmt.mant_bits)",
@@ -463,8 +478,7 @@ CATALOGUE = (
            "return bits_to_tensor(round_scaled_array(t, e, out_format), out_format)",
            "return torch.ldexp(t.double(), e.double()).float().to(x.dtype)",
            "the exact integer rounded to fp32, then to bf16 (Marlin epilogue, OpenVINO)",
-           ("tests/test_modules.py::test_final_rounding_near_ties[int8-gemm]",
-            GEMM_VECTORS)),
+           ("tests/test_modules.py::test_final_rounding_near_ties[int8-gemm]", GEMM)),
     # --- activation quantization
     Mutant("activation-exponent-too-small-clamped", "exactness.kernels.activations:quantize_rows",
            "return torch.round(scaled).to(torch.int32), e_r",
@@ -486,7 +500,7 @@ CATALOGUE = (
            "amax = x.abs().amax(dim=1, keepdim=True)",
            "amax = x.abs().amax().expand(x.shape[0], 1)",
            "one activation scale for the whole batch: a row's bits depend on the others",
-           (GEMM, BATCH)),
+           (GEMM, GEMM_VECTORS)),
     # --- the Triton kernels' quantization and rounding
     Mutant("kernel-rounding-ties-away", "exactness.kernels.triton_exact:rne_shift_right",
            "((rem == half) & ((n & 1) == 1))", "(rem == half)",
@@ -505,7 +519,9 @@ CATALOGUE = (
     Mutant("kernel-infinity-not-flagged", "exactness.kernels.triton_exact:quantize_kernel",
            "(row_max >= ((1 << EXP) - 1) << MANT)", "(row_max > ((1 << EXP) - 1) << MANT)",
            "the Triton quantization flags rows holding NaN but not rows holding an infinity, "
-           "which then goes through as a number", (NON_FINITE,)),
+           "which then goes through as a number",
+           (NON_FINITE, "tests/test_moe.py::test_a_non_finite_input_raises_the_loops_own_error"
+            "[triton]")),
     Mutant("launch-blocks-read-the-first-rows",
            "exactness.kernels.triton_exact:_TritonKernel.launches",
            "quantize(rows, weights.act_bits)",
@@ -545,7 +561,10 @@ CATALOGUE = (
            "derived data kept across a write that torch's version counter does not see "
            "(param.data.copy_, a numpy view): stale weights",
            ("tests/test_reliability.py::test_weights_written_through_any_door_are_seen_at_the_"
-            "next_forward[through_data_copy-int64-matmul]",)),
+            "next_forward[through_data_copy-int64-matmul]",
+            "tests/test_reliability.py::test_each_kind_of_weight_change_is_seen_on_every_path"
+            "[factors-vnni-limbs]",
+            "tests/test_moe.py::test_slow_rows_and_writes_through_any_door_are_seen[cpu]")),
     # --- the C kernel (cpu_vnni.c), the CPU path's production code
     Mutant("vnni-high-limb-correction-unscaled", C_KERNEL, "two ? 15 : 7", "7",
            "the bias correction of the high limb not scaled by 256 (per-limb zero points)",
@@ -586,7 +605,7 @@ CATALOGUE = (
            "_mm512_cmplt_epi64_mask(field, _mm512_set1_epi64(emax + 1))",
            "the final rounding's fast path taken for results past the largest finite binade "
            "(NaN and garbage patterns where infinity is due)",
-           ("tests/test_modules.py::test_final_rounding_at_the_top_of_the_range", CPU)),
+           ("tests/test_modules.py::test_final_rounding_at_the_top_of_the_range",)),
     Mutant("vnni-subnormal-output-flushed", C_KERNEL,
            "bits = _mm512_mask_mov_epi64(bits, subnormal, n);",
            "bits = _mm512_maskz_mov_epi64(~subnormal, bits);",
@@ -595,7 +614,7 @@ CATALOGUE = (
     Mutant("span-bound-doubled", "exactness.kernels.native:span_scales",
            "fits = ((tot // div <= limit)", "fits = ((tot // div <= 2 * limit)",
            "a span's int32 bound off by a factor of two: two extreme groups share a span and wrap",
-           (SPANS_EDGE,)),
+           (SPANS_EDGE, SPANS_CHAIN + "[one-step-past-k1-k3]")),
     Mutant("span-base-shift-dropped", C_KERNEL,
            "_mm512_srav_epi64(_mm512_slli_epi64(d, 32), r_even)",
            "_mm512_srai_epi64(_mm512_slli_epi64(d, 32), 32)",
@@ -604,7 +623,7 @@ CATALOGUE = (
     Mutant("span-chain-bound-doubled", "exactness.kernels.native:span_scales",
            "(c.abs() * chain_sum <= limit)", "(c.abs() * chain_sum <= 2 * limit)",
            "an unshifted block's chain bound off by a factor of two: a chain wraps",
-           (SPANS_EDGE,)),
+           (SPANS_EDGE, SPANS_CHAIN + "[one-step-past-k0-k2]")),
     Mutant("span-unshifted-biases-kept", C_KERNEL,
            "_mm512_slli_epi64(_mm512_add_epi64(odd[i], groups), 32)",
            "_mm512_slli_epi64(odd[i], 32)",
@@ -614,12 +633,62 @@ CATALOGUE = (
            "for (int i = K / 32; i < before; i++) finish_pending(p, i, Np);",
            "for (int i = K / 32; i < 0; i++) finish_pending(p, i, Np);",
            "with fewer groups than tile rows, the previous tile's last rows never rounded out",
-           (SPANS, SPANS_VECTORS)),
+           (SPANS, "tests/test_modules.py::test_rows_agree_across_the_kernel_switch")),
     Mutant("span-second-sum-not-reset", C_KERNEL,
            "                d0[i] = d1[i] = _mm512_setzero_si512();",
            "                d0[i] = _mm512_setzero_si512();",
            "one of a row's two partial sums carried into the next span",
            (SPANS, SPANS_VECTORS)),
+    # --- inputs the suite did not generate (issue 23)
+    Mutant("int-mm-exactness-trusted", "exactness.kernels.cpu:_GemmKernel.available",
+           "if self.int8 and not int_mm_exact():", "if False:",
+           "torch._int_mm trusted without the check of its exactness: on a CPU whose int8 GEMM "
+           "runs through fp32, wrong sums",
+           ("tests/test_modules.py::test_every_cpu_path_the_plan_takes_on_another_machine"
+            "[no-vnni-int-mm-inexact]",)),
+    Mutant("subnormal-scale-not-on-the-subnormal-grid", "exactness.quantize:quantize_weight",
+           "es = np.maximum(es, BFLOAT16.quantum_min)", "es = es + 0",
+           "from_weight's scale exponent left below bf16's smallest: a tiny group's scale "
+           "encoded as a subnormal of another value",
+           ("tests/test_modules.py::test_from_weight_matches_the_oracle_quantizer",)),
+    Mutant("layouts-kept-while-the-words-stay", "exactness.modules:_PackedExactLinear._derive",
+           "certificate), widths)",
+           "certificate), widths, derived.layouts if derived is not None and same_bits("
+           "packed, derived.weights.packed) else {})",
+           "the kernels' derived layouts kept across a write that left the packed words as they "
+           "were: a scale's new factor never reaches them",
+           ("tests/test_reliability.py::test_each_kind_of_weight_change_is_seen_on_every_path"
+            "[factors-vnni-limbs]",
+            "tests/test_reliability.py::test_each_kind_of_weight_change_is_seen_on_every_path"
+            "[factors-int8-gemm]")),
+    Mutant("converter-keeps-a-layer-of-other-act-bits", "exactness.kimi:_stage",
+           "reuse = isinstance(module, PackedInt4Linear) and module.act_bits == act_bits",
+           "reuse = isinstance(module, PackedInt4Linear)",
+           "convert_kimi_to_exact keeps the model's exact layers at their act_bits, not the one "
+           "asked for", ("tests/test_kimi.py::test_every_conversion_option_computes_at_its_"
+                         "setting[None-8]",
+                         "tests/test_kimi.py::test_every_conversion_option_computes_at_its_"
+                         "setting[4-4]")),
+    Mutant("converter-checks-only-the-first-projection", "exactness.kimi:_stage",
+           "for name, layer in targets.items():  # all checks before the first packed byte",
+           "for name, layer in list(targets.items())[:1]:  # all checks before the first "
+           "packed byte",
+           "the loader checks the first projection's tensors alone: a bad one further on "
+           "fails half-way through loading, the model half converted",
+           ("tests/test_kimi.py::test_a_bad_tensor_in_any_expert_leaves_the_model_as_it_was"
+            "[last]",
+            "tests/test_kimi.py::test_a_bad_tensor_in_any_expert_leaves_the_model_as_it_was"
+            "[middle]")),
+    Mutant("span-chain-bound-of-the-first-chain", "exactness.kernels.native:span_scales",
+           "chains[0] + chains[1], torch.maximum(*chains)", "chains[0] + chains[1], chains[0]",
+           "an unshifted block certified on one of its two chains: the other wraps",
+           (SPANS_CHAIN + "[one-step-past-k1-k3]",)),  # weak by design: the other three pass
+    Mutant("nibble-layout-past-four-bits", "exactness.kernels.native:NativeWeights.__init__",
+           "q8.max() <= 7", "q8.max() <= 8",
+           "the C kernel's nibble layout taken for weights one past 4 bits: an 8 spills into "
+           "its neighbour's nibble",
+           ("tests/test_modules.py::test_the_c_layout_chosen_from_the_weights_range_at_its_"
+            "edges[8]",)),
     # --- the grouped MoE kernels (issue 22)
     Mutant("grouped-neighbouring-experts-weights", C_KERNEL,
            "const Layer *L = gr->layers[e * gr->parts + p];",

@@ -44,6 +44,53 @@ def device_of(path: str) -> str | None:
     return triton_device() if family == "triton" else "cpu"
 
 
+def unavailable(path: str) -> tuple[str, bool] | None:
+    """None where `path` runs here; else (why not, whether that is a failure). It is one where
+    this machine has what the path needs but the path was refused: the C kernel's paths on a CPU
+    with AVX-512 VNNI and a C compiler, where its build or its self-check failed. A check of it
+    would then pass by skipping, on the machine where it matters."""
+    if path in available_paths():
+        return None
+    kernel = next((k for k in REGISTRY if k.name == path), None)
+    device = device_of(path)
+    if kernel is None or device is None:
+        return f"{path} does not run here: Triton needs a GPU or TRITON_INTERPRET=1", False
+    why = kernel.available(torch.device(device)).why
+    return f"{path} does not run here: {why}", kernel.layout == "vnni" and native_expected()
+
+
+def native_expected() -> bool:
+    """Whether the C kernel must run here: the CPU has AVX-512 VNNI, a C compiler is on PATH, and
+    nothing turned it off (EXACTNESS_NATIVE=0)."""
+    import shutil
+
+    from ..kernels import native
+
+    return (not native._missing_features() and os.environ.get("EXACTNESS_NATIVE", "1") != "0"
+            and shutil.which(os.environ.get("CC", "cc")) is not None)
+
+
+def refused_here() -> list[str]:
+    """Why each path that should run here does not (unavailable): [] on a sound machine."""
+    from ..kernels import REGISTRY as kernels
+
+    return [why for why, failure in filter(None, map(unavailable, (k.name for k in kernels)))
+            if failure]
+
+
+def require(path: str) -> None:
+    """In a test: skip, saying why, where `path` cannot run here; fail where it should
+    (unavailable)."""
+    import pytest
+
+    missing = unavailable(path)
+    if missing is not None:
+        why, failure = missing
+        if failure:
+            pytest.fail(f"{why}: the C kernel was refused on a CPU that has what it needs")
+        pytest.skip(why)
+
+
 def available_paths(case: LinearCase | None = None) -> list[str]:
     """The paths that run here; with `case`, only the kernels that hold its inputs."""
     paths = ["oracle", "reference", *(b for b in BACKENDS if device_of(b) is not None)]

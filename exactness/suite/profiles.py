@@ -3,9 +3,15 @@
 - ci: derandomized (the same examples on every run), no deadline, no example database, prints
   the reproduction blob of a failure; no explain phase (it traces every line the Triton
   interpreter runs while a failure shrinks: the kernel mutants' kills took 6x as long);
-- dev: random, with the local database, so a failure found once is replayed first next time;
-- thorough: nightly scale;
+- dev: random, with the example database, so a failure found once is replayed first next time;
+- thorough: nightly scale, with the example database;
 - ci-kill: ci without shrinking (make verify's mutation stage).
+
+The example database (`example_database`) is a directory, EXACTNESS_HYPOTHESIS_DB (default
+.hypothesis/examples), which CI keeps between runs and uploads as an artifact. With
+EXACTNESS_HYPOTHESIS_GITHUB="OWNER/REPO:ARTIFACT[,ARTIFACT...]" the dev and thorough profiles
+also read those artifacts of the repository's CI runs (Hypothesis's GitHubArtifactDatabase), so
+a failure found in CI replays here first. The counterexample files stay the format of record.
 """
 
 from __future__ import annotations
@@ -13,8 +19,33 @@ from __future__ import annotations
 import os
 
 from hypothesis import HealthCheck, Phase, settings
+from hypothesis.database import (
+    DirectoryBasedExampleDatabase,
+    ExampleDatabase,
+    GitHubArtifactDatabase,
+    MultiplexedDatabase,
+    ReadOnlyDatabase,
+)
 
 _SLOW_DATA = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
+
+
+def example_database() -> ExampleDatabase:
+    """The local directory database, and CI's artifacts read-only where named (module doc)."""
+    local = DirectoryBasedExampleDatabase(os.environ.get("EXACTNESS_HYPOTHESIS_DB",
+                                                         ".hypothesis/examples"))
+    shared = os.environ.get("EXACTNESS_HYPOTHESIS_GITHUB")
+    if not shared:
+        return local
+    repository, _, artifacts = shared.partition(":")
+    owner, _, repo = repository.partition("/")
+    if not owner or not repo:
+        raise ValueError(f"EXACTNESS_HYPOTHESIS_GITHUB must be OWNER/REPO[:ARTIFACT,...], got "
+                         f"{shared!r}")
+    names = artifacts.split(",") if artifacts else ["hypothesis-example-db"]
+    return MultiplexedDatabase(local, *(ReadOnlyDatabase(GitHubArtifactDatabase(
+        owner, repo, artifact_name=name)) for name in names))
+
 
 settings.register_profile("ci", derandomize=True, deadline=None, database=None, print_blob=True,
                           max_examples=60, suppress_health_check=_SLOW_DATA,
@@ -22,9 +53,10 @@ settings.register_profile("ci", derandomize=True, deadline=None, database=None, 
 # make verify's mutation stage only needs to see each mutant die: no shrinking
 settings.register_profile("ci-kill", parent=settings.get_profile("ci"),
                           phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target])
-settings.register_profile("dev", deadline=None, max_examples=100, suppress_health_check=_SLOW_DATA)
+settings.register_profile("dev", deadline=None, max_examples=100, suppress_health_check=_SLOW_DATA,
+                          database=example_database())
 settings.register_profile("thorough", deadline=None, max_examples=2000, print_blob=True,
-                          suppress_health_check=_SLOW_DATA)
+                          suppress_health_check=_SLOW_DATA, database=example_database())
 
 
 def load() -> None:

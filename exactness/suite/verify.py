@@ -1,13 +1,15 @@
 """`make verify`: every check the project has, one verdict table, one exit code.
 
 Each stage gives a verdict in Alive2's words: proved/passed, refuted/failed (with where to look),
-or unknown; never a silent pass. Stages that are test selections run pytest in a subprocess in the
-chosen Hypothesis profile, those of one PytestSession together, and write JUnit XML beside the
-JSON report.
+or unknown; never a silent pass. A stage any of whose checks skipped is unknown: a check that
+did not run here vouches for nothing. Stages that are test selections run pytest in a
+subprocess in the chosen Hypothesis profile, those of one PytestSession together, and write
+JUnit XML beside the JSON report. `--shard I/N` runs one shard of a CI matrix (stage_shard).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -33,6 +35,7 @@ class StageResult:
     detail: str = ""
     failures: list[str] = field(default_factory=list)
     compared: int = 0  # contract outputs compared bit for bit
+    skipped: list[str] = field(default_factory=list)  # checks that did not run here, and why
 
 
 @dataclass
@@ -59,9 +62,11 @@ class PytestSession:
         self.what[name] = what
         return Stage(name, what, session=self)
 
-    def run(self, profile: str, stages: list[str]) -> dict[str, StageResult]:
-        """The chosen `stages` of this session, run together: {stage: its result}; a stage's
-        seconds are its tests' own times (the session's wall time is shared)."""
+    def run(self, profile: str, stages: list[str],
+            shard: tuple[int, int] | None = None) -> dict[str, StageResult]:
+        """The chosen `stages` of this session, run together (their tests of one `shard` (i, n)
+        where given): {stage: its result}; a stage's seconds are its tests' own times (the
+        session's wall time is shared)."""
         if self.kill_only and profile == "ci":
             profile = "ci-kill"
         junit = REPORTS / f"junit-{self.name}.xml"
@@ -69,7 +74,8 @@ class PytestSession:
         env = dict(os.environ, HYPOTHESIS_PROFILE=profile, TRITON_INTERPRET="1",
                    EXACTNESS_FIRST_KILLER="1")
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
-               f"--junitxml={junit}", *(f"--stage={stage}" for stage in stages)]
+               f"--junitxml={junit}", *(f"--stage={stage}" for stage in stages),
+               *([f"--shard={shard[0]}/{shard[1]}"] if shard else [])]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         results = {name: StageResult(name, "passed", detail=self.what[name]) for name in stages}
         if junit.exists():
@@ -81,8 +87,11 @@ class PytestSession:
                     continue
                 result.checks += 1
                 result.seconds += float(case.get("time") or 0)
+                name = f"{case.get('classname')}::{case.get('name')}"
                 if case.find("failure") is not None or case.find("error") is not None:
-                    result.failures.append(f"{case.get('classname')}::{case.get('name')}")
+                    result.failures.append(name)
+                elif case.find("skipped") is not None:
+                    result.skipped.append(f"{name}: {case.find('skipped').get('message')}")
         # exit 1: tests failed, which the stages holding them report; anything else but 0 (a
         # collection error, an interrupted session) leaves every stage unknown
         failed = any(r.failures for r in results.values())
@@ -94,6 +103,10 @@ class PytestSession:
             elif not explained or not result.checks:
                 result.verdict = "unknown"
                 result.detail = f"pytest exit {proc.returncode}: {proc.stdout[-1000:]}"
+            elif result.skipped:  # never a pass by skipping
+                result.verdict = "unknown"
+                result.detail = (f"{len(result.skipped)} of {result.checks} checks skipped: "
+                                 + "; ".join(result.skipped[:5]))
         return results
 
 
@@ -121,9 +134,9 @@ def proofs_stage(profile: str) -> StageResult:
 def vectors_stage(profile: str) -> StageResult:
     from .cases import load_vectors
     from .counterexamples import check_bits
-    from .paths import available_paths, run
+    from .paths import available_paths, refused_here, run
 
-    failures, checks, used = [], 0, {}
+    failures, checks, used = list(refused_here()), 0, {}  # a path refused fails: never skipped
     for case in load_vectors():
         for path in available_paths(case):  # every path, every kernel that holds the case
             used[path] = None
@@ -162,6 +175,8 @@ STAGES = [
     _TESTS.stage("reference", "oracle == numpy reference == peers; proofs cross-checked"),
     _TESTS.stage("equivalence", "every layer path == reference, bit for bit, full Kimi sizes too"),
     _TESTS.stage("compiled", "the Triton kernels compile for sm_90 (thorough: sm_80 too), int MMA"),
+    _TESTS.stage("reliability", "bad input refused, writes seen, the Kimi loader, the kernel "
+                                "cache, repro's refusals"),
     Stage("corpus", "tests/counterexamples replayed on every path", corpus_stage),
     PytestSession("mutants", kill_only=True).stage("mutants", "every planted bug is caught"),
 ]
@@ -191,24 +206,48 @@ def _junit(results: list[StageResult]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import argparse
-
     parser = argparse.ArgumentParser(prog="python -m exactness verify")
     parser.add_argument("--thorough", action="store_true", help="nightly-scale Hypothesis profile")
     parser.add_argument("--stage", action="append", help="run only this stage (repeatable)")
+    parser.add_argument("--shard", type=parse_shard, metavar="I/N",
+                        help="run shard I of N (a CI matrix): every N-th test of the pytest "
+                             "stages, and the other stages shared out (stage_shard)")
     args = parser.parse_args(argv)
-    return run(args.thorough, args.stage)
+    return run(args.thorough, args.stage, args.shard)
 
 
-def run(thorough: bool = False, stages: list[str] | None = None) -> int:
-    """Every stage (or the chosen `stages`), the table, the reports: 0 iff exact."""
+def parse_shard(text: str) -> tuple[int, int]:
+    try:
+        i, n = (int(v) for v in text.split("/"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected I/N, got {text!r}") from None
+    if not 1 <= i <= n:
+        raise argparse.ArgumentTypeError(f"expected 1 <= I <= N, got {text!r}")
+    return i, n
+
+
+def stage_shard(stage: Stage, n: int) -> int | None:
+    """The shard of n that runs a stage that is no pytest session (the k-th such stage: shard
+    k mod n + 1); None for a pytest stage, which every shard runs a share of."""
+    if stage.session is not None:
+        return None
+    alone = [s for s in STAGES if s.session is None]
+    return alone.index(stage) % n + 1
+
+
+def run(thorough: bool = False, stages: list[str] | None = None,
+        shard: tuple[int, int] | None = None) -> int:
+    """Every stage (or the chosen `stages`; with `shard` (i, n) its share of them), the table,
+    the reports: 0 iff exact."""
     from .mutants import from_env
 
     profile = "thorough" if thorough else "ci"
-    chosen = [s for s in STAGES if not stages or s.name in stages]
+    chosen = [s for s in STAGES if (not stages or s.name in stages)
+              and (shard is None or stage_shard(s, shard[1]) in (None, shard[0]))]
     mutant = from_env()
     print(f"exactness verify  (Hypothesis profile: {profile}"
-          f"{f', planted mutant: {mutant.name}' if mutant else ''})", flush=True)
+          f"{f', planted mutant: {mutant.name}' if mutant else ''}"
+          f"{f', shard {shard[0]}/{shard[1]}' if shard else ''})", flush=True)
     REPORTS.mkdir(exist_ok=True)
     verifying = gate.watched_digest() if thorough else None  # the files this run vouches for
     results = []
@@ -230,7 +269,7 @@ def run(thorough: bool = False, stages: list[str] | None = None) -> int:
                 result.compared = _compared(counts)
             else:
                 together = [s.name for s in chosen if s.session is session]
-                done.update(session.run(profile, together))
+                done.update(session.run(profile, together, shard))
                 for name in together:
                     done[name].compared = _compared(counts, name)
                 if len(together) > 1:
@@ -247,16 +286,20 @@ def run(thorough: bool = False, stages: list[str] | None = None) -> int:
               f"{r.seconds:>7.1f}")
         for f in r.failures[:10]:
             print(f"  {'':<{width}}    x {f[:400]}")
+        for s in r.skipped[:10]:
+            print(f"  {'':<{width}}    ? {s[:400]}")
     ok = all(r.verdict == "passed" for r in results)
     report = {"verdict": "exact" if ok else "NOT exact", "profile": profile,
               "mutant": mutant.name if mutant else None,
+              "shard": f"{shard[0]}/{shard[1]}" if shard else None,
               "seconds": round(time.perf_counter() - begin, 1),
               "outputs_compared": sum(r.compared for r in results),
               "stages": [asdict(r) for r in results]}
-    if ok and thorough and not stages and not mutant:
+    if ok and thorough and not stages and not mutant and not shard:  # a shard vouches for part
         gate.record_thorough_verdict(verifying, report["seconds"])
-    (REPORTS / "verify.json").write_text(json.dumps(report, indent=2))
-    (REPORTS / "verify-junit.xml").write_text(_junit(results))
+    name = f"verify-shard-{shard[0]}-of-{shard[1]}" if shard else "verify"
+    (REPORTS / f"{name}.json").write_text(json.dumps(report, indent=2))
+    (REPORTS / f"{name}-junit.xml").write_text(_junit(results))
     print(f"\n  verdict: {report['verdict']}  ({report['outputs_compared']} outputs compared bit "
-          f"for bit, {report['seconds']} s; reports/verify.json, reports/verify-junit.xml)")
+          f"for bit, {report['seconds']} s; reports/{name}.json, reports/{name}-junit.xml)")
     return 0 if ok else 1
