@@ -37,7 +37,7 @@ mutants: setup
 MUTMUT_SECONDS ?= 3600
 mutmut: setup
 	$(BIN)/pip install -q mutmut==3.8.1
-	-TRITON_INTERPRET=1 timeout $(MUTMUT_SECONDS) $(BIN)/mutmut run --max-children 2
+	-HYPOTHESIS_PROFILE=ci-kill OMP_NUM_THREADS=1 TRITON_INTERPRET=1 timeout $(MUTMUT_SECONDS) $(BIN)/mutmut run --max-children 2
 	$(BIN)/python -m exactness.suite.mutmut_score
 
 repro: setup

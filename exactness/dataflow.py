@@ -89,7 +89,7 @@ def int8_digits(v, count: int):
     import torch
 
     digits = []
-    rest = v if v.dtype in (torch.int32, torch.int64) else v.to(torch.int64)
+    rest = v.long()  # digits of any integer tensor, taken in int64
     for _ in range(count):
         low = ((rest + 128) & 255) - 128
         digits.append(low.to(torch.int8))

@@ -39,7 +39,7 @@ def quantize_weight(w_bits: np.ndarray, fmt: FloatFormat, bits: int):
     qw = 2 ** (bits - 1) - 1
     n, k = w_bits.shape
     m, e = decode_array(w_bits, fmt)
-    mag = (np.asarray(w_bits, np.int64) & fmt.abs_mask).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
+    mag = (as_int64(w_bits) & fmt.abs_mask).reshape(n, k // GROUP_SIZE, GROUP_SIZE)
     am, ae = decode_array(mag.max(axis=2), fmt)  # amax per group, exactly
     zero = am == 0
     am = np.where(zero, 1, am)
@@ -77,10 +77,10 @@ def quantize_activations(x_bits, x_format, act_bits: int):
     m, e = decode_array(x_bits, fmt)
     # |x| orders like the magnitude bits of its pattern, so amax is found without decoding all.
     am, ae = decode_array(xp.amax(as_int64(x_bits) & fmt.abs_mask, axis=1), fmt)
-    # smallest t with am <= Qa * 2**t is t0 or t0 + 1 (t0 from the bit lengths); e_r = ae + t
+    # smallest t with am <= Qa * 2**t is t0 or t0 + 1 (t0 from the bit lengths); e_r = ae + t.
+    # For t0 <= 0 it is t0: am * 2**-t0 has Qa's bit length, and Qa is all ones.
     t0 = bit_length_array(am) - qmax.bit_length()
-    qmax_t0 = (t0 * 0 + qmax) << t0.clip(min=0)
-    fits = xp.where(t0 >= 0, am <= qmax_t0, am << (-t0).clip(min=0) <= qmax)
+    fits = am <= (t0 * 0 + qmax) << t0.clip(min=0)
     e_r = xp.where(am == 0, 0, ae + t0 + xp.where(fits, 0, 1))
     # qa = RNE(m * 2**(e - e_r)): an exact left shift, or a rounded right shift; |m| < 2**25, so
     # right shifts past 26 give 0 (under half) and clipping them to 62 changes nothing.

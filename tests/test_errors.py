@@ -99,9 +99,32 @@ def test_weight_out_of_range_names_the_index():
         pack_weights(q, 4)
 
 
+@pytest.mark.parametrize("call_, says", [
+    (lambda: pack_weights(np.zeros(8, np.int64), 4), r"^weights to pack must be 2-D \[N, K\], "
+                                                     r"got shape \(8,\)$"),
+    (lambda: pack_weights(np.zeros((2, 12), np.int64), 4), r"^K=12 is not a multiple of 8 "
+                                                           r"\(4-bit packing\)$"),
+    (lambda: unpack_weights(np.zeros(3, np.int32), 8), r"^packed weights must be 2-D \[N, K/4\], "
+                                                       r"got \(3,\)$"),
+    (lambda: unpack_weights(np.zeros((2, 2), np.int32), 4, k=24),
+     r"^packed weights of shape \(2, 2\) hold K=16, not 24$"),
+])
+def test_packing_shapes_are_refused_saying_which(call_, says):
+    with pytest.raises(ShapeError, match=says):
+        call_()
+
+
 def test_decode_refuses_non_finite():
-    with pytest.raises(NonFiniteError):
+    with pytest.raises(NonFiniteError, match="^bfloat16 pattern 0x7f80 is not finite$"):
         decode(0x7F80, float_format("bfloat16"))
+
+
+def test_a_non_finite_weight_for_from_weight_names_it():
+    w = torch.randn(2, 64)
+    w[1, 40] = float("nan")
+    with pytest.raises(NonFiniteError, match=r"^weight has 1 non-finite value\(s\); the first at "
+                                             r"index \(1, 40\)$"):
+        ExactLinear.from_weight(w)
 
 
 # --------------------------------------------------------------------------- the layer

@@ -1,6 +1,7 @@
 """Packing and float formats against their real peers: compressed-tensors, numpy and torch."""
 
 import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
@@ -18,9 +19,11 @@ from exactness.formats import (
     decode,
     decode_array,
     pack_weights,
+    rne_shift_right,
     round_scaled,
     round_scaled_array,
     tensor_to_bits,
+    torch_dtype,
     unpack_weights,
     zero_word,
 )
@@ -143,6 +146,28 @@ def test_round_array_matches_scalar_near_ties(fmt, seed):
     e = rng.integers(-200, 100, 256)
     got = round_scaled_array(m, e, fmt)
     assert got.tolist() == [round_scaled(int(a), int(b), fmt) for a, b in zip(m, e, strict=True)]
+
+
+@given(st.lists(st.tuples(st.integers(0, 2**63 - 1), st.integers(0, 63)), min_size=1,
+                max_size=32), st.booleans())
+def test_rne_shift_right_rounds_half_to_even_at_every_shift(pairs, on_torch):
+    """Every shift its callers may pass, 0 (no rounding at all) and 63 included, on numpy and
+    torch; the callers select only some lanes, so this is the only check of the rest."""
+    a = np.array([p[0] for p in pairs], np.int64)
+    s = np.array([p[1] for p in pairs], np.int64)
+    got = rne_shift_right(*((torch.from_numpy(a), torch.from_numpy(s)) if on_torch else (a, s)))
+    want = [round(Fraction(int(x), 2**int(k))) for x, k in pairs]  # Fraction rounds half to even
+    assert np.asarray(got).tolist() == want
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS.values()), ids=lambda f: f.name)
+def test_bits_to_tensor_stays_on_the_tensors_device(fmt):
+    """A tensor of patterns is converted where it lies (a GPU's, or here the meta device, which
+    holds no values and so fails any copy through numpy)."""
+    patterns = torch.tensor([0, 1, fmt.sign_bit, fmt.sign_bit | 1, fmt.inf_bits])
+    got = bits_to_tensor(patterns.to("meta"), fmt)
+    assert got.device.type == "meta" and got.dtype == torch_dtype(fmt)
+    assert (tensor_to_bits(bits_to_tensor(patterns, fmt)) == patterns.numpy()).all()
 
 
 def test_rounding_examples():

@@ -519,6 +519,31 @@ def test_from_weight_matches_the_oracle_quantizer(bits, fmt, seed, data):
     assert (layer.weight_packed.numpy() == pack_weights(np.array(want_q), bits)).all()
 
 
+@pytest.mark.parametrize("fmt", [BFLOAT16, FLOAT32], ids=lambda f: f.name)
+@pytest.mark.parametrize("bits", [4, 8])
+def test_quantize_weight_at_a_groups_edges(fmt, bits):
+    """Groups random magnitudes miss (mutmut found them, docs/MUTMUT.md): one whose largest
+    element is the format's least subnormal, and ones holding elements more than 2**40 below
+    their scale, whose q is 0 however the remainder was shifted. Integer arrays come back."""
+    from exactness.formats import float_bits
+    from exactness.quantize import quantize_weight
+    from exactness.suite.reference import oracle_quantize_weight
+
+    w = torch.zeros(2, 96, dtype=torch_dtype(fmt))
+    w_bits = float_bits(w).numpy().astype(np.int64)
+    w_bits[0, :32:3] = 1  # the least subnormal, and its negative
+    w_bits[0, 1:32:3] = 1 | fmt.sign_bit
+    tiny = float_bits(torch.tensor([2.0**-60, -(2.0**-100), 2.0**-126]).to(w.dtype)).numpy()
+    w_bits[:, 32:35] = float_bits(torch.tensor([1.0, -3.0, 0.5]).to(w.dtype)).numpy()
+    w_bits[:, 35:38] = tiny
+    w_bits[1, 64:67] = tiny  # and a group of only tiny ones
+    q, scale = quantize_weight(w_bits, fmt, bits)
+    assert q.dtype == scale.dtype == np.int64
+    want_q, want_scale = oracle_quantize_weight(w_bits, fmt, bits)
+    assert (scale == np.array(want_scale)).all() and (q == np.array(want_q)).all()
+    assert (scale[0, 0] != 0) and (q[:, 35:38] == 0).all()  # not the trivial answer
+
+
 def test_from_weight_error_is_within_half_a_step():
     w = torch.randn(16, 64)
     layer = ExactLinear.from_weight(w, bits=8)

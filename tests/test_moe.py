@@ -11,7 +11,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exactness import moe
-from exactness.contract import BFLOAT16, ContractValueError, ExactnessError, NonFiniteError
+from exactness.contract import (
+    BFLOAT16,
+    ContractTypeError,
+    ContractValueError,
+    ExactnessError,
+    NonFiniteError,
+    ShapeError,
+)
 from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits
 from exactness.kernels import REGISTRY, KernelUnavailableError, native
 from exactness.kernels.registry import no
@@ -298,6 +305,32 @@ def test_routing_counts_refused_ids_where_it_may_not_read_them():
     assert int(route(ids, 3, check=False).bad) == 3
     with pytest.raises(ContractValueError, match="outside"):
         route(ids, 3)
+    # the meta device holds no values: routing there proves no step reads one back
+    meta = route(ids.to("meta"), 3, check=False)
+    assert {t.device.type for t in (meta.key, meta.pair, meta.offsets, meta.bad)} == {"meta"}
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64, torch.int16])
+def test_routing_takes_any_integer_ids_and_gives_int64(dtype):
+    """vLLM's topk_ids are int32; the grouped kernels read int64 (docs/MUTMUT.md)."""
+    ids = torch.tensor([[2, 0], [1, 3], [0, 2]])
+    want, got = route(ids, 3), route(ids.to(dtype), 3)
+    for name in ("key", "pair", "offsets"):
+        assert getattr(got, name).dtype == torch.int64
+        assert torch.equal(getattr(got, name), getattr(want, name))
+
+
+@pytest.mark.parametrize("ids, error, says", [
+    ([[0, 1]], ShapeError, r"\[tokens, top_k\] tensor, got list"),
+    (torch.tensor([0, 1]), ShapeError, r"got torch.Size\(\[2\]\)"),
+    (torch.zeros(2, 2, 1, dtype=torch.int64), ShapeError, r"got torch.Size\(\[2, 2, 1\]\)"),
+    (torch.zeros(2, 2), ContractTypeError, "integer expert ids, got torch.float32"),
+    (torch.zeros(2, 2, dtype=torch.bool), ContractTypeError, "got torch.bool"),
+    (torch.zeros(2, 2, dtype=torch.complex64), ContractTypeError, "got torch.complex64"),
+])
+def test_routing_of_a_wrong_shape_or_type_is_a_typed_error(ids, error, says):
+    with pytest.raises(error, match=says):
+        route(ids, 4)
 
 
 # --------------------------------------------------------------------------- what it cannot do

@@ -174,3 +174,50 @@ def test_the_int8_gemms_are_sliced_where_all_of_k_would_wrap():
     assert f"cpu-int-mm-k{dataflow.INT_MM_CHUNK}" in names
     assert dataflow.int_mm_chunk(2**17) == dataflow.INT_MM_CHUNK
     assert dataflow.int_mm_chunk(7168) == 7168  # Kimi's K in one GEMM
+
+
+@given(st.integers(1, 4), st.data())
+def test_int8_digits_give_back_the_value_or_refuse_it(count, data):
+    """The limbs the kernels multiply: signed base-256 digits that sum back to the value, of
+    int32 and int64 alike, and an OverflowError where `count` digits cannot hold it."""
+    import torch
+
+    lo, hi = -128 * (256**count - 1) // 255, 127 * (256**count - 1) // 255  # all -128, all 127
+    values = data.draw(st.lists(st.integers(lo, hi), min_size=1, max_size=8))
+    v = torch.tensor(values, dtype=torch.int64)
+    digits = dataflow.int8_digits(v, count)
+    assert digits.dtype == torch.int8 and digits.shape == (count, len(values))
+    assert sum(digits[j].long() * 256**j for j in range(count)).tolist() == values
+    int32 = [x for x in [*values, 2**31 - 1, -(2**31)] if lo <= x <= hi and abs(x) < 2**31]
+    assert torch.equal(dataflow.int8_digits(torch.tensor(int32, dtype=torch.int32), count),
+                       dataflow.int8_digits(torch.tensor(int32), count))  # no int32 step wraps
+    past = data.draw(st.sampled_from([lo - 1, hi + 1]))
+    with pytest.raises(OverflowError, match=f"^{count} int8 limbs do not hold these values$"):
+        dataflow.int8_digits(torch.tensor([*values, past]), count)
+    with pytest.raises(OverflowError):  # past 4 digits, an int32 step would wrap to a "fit"
+        dataflow.int8_digits(torch.tensor([2**31 - 1], dtype=torch.int32), 4)
+
+
+@pytest.mark.parametrize("w_bits", [4, 8])
+def test_folded_weight_max_is_the_largest_fold(w_bits):
+    """The GPU folded path sizes its digits by it (folded_weight_limbs), so it must be the
+    largest |q * ms| over every weight and scale of either sign, attained, not a bound above."""
+    q = np.arange(-(2 ** (w_bits - 1)), 2 ** (w_bits - 1))
+    ms = np.arange(-255, 256)
+    largest = int(np.abs(np.outer(q, ms)).max())
+    for spread in (0, 1, 7):
+        assert dataflow.folded_weight_max(w_bits, spread) == largest << spread
+        assert dataflow.folded_weight_limbs(w_bits, spread) == dataflow.weight_limbs_needed(
+            -largest << spread, largest << spread)
+
+
+def test_int_mm_bound_is_the_attained_worst_sum():
+    """It decides where the GPU may take torch._int_mm (triton_exact.folded_fits): the worst
+    |sum| of k int8 products, attained with every limb -128, under 2**31 at the CPU's slices."""
+    import torch
+
+    for k in (1, 32, 96):
+        limbs = torch.full((1, k), -128, dtype=torch.int64)
+        assert int((limbs @ limbs.T).item()) == dataflow.int_mm_bound(k)
+    chunk = dataflow.INT_MM_CHUNK
+    assert dataflow.int_mm_bound(chunk) < 2**31 <= dataflow.int_mm_bound(2 * chunk)

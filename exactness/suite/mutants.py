@@ -366,6 +366,7 @@ def moe_block(backend: str) -> str:
     """The property: the grouped MoE block against transformers' per-expert loop."""
     return f"tests/test_moe.py::test_grouped_experts_match_transformers_loop[{backend}]"
 
+
 CATALOGUE = (
     # --- packing and decoding
     Mutant("nibble-order-reversed", "exactness.formats:unpack_weights",
