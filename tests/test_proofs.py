@@ -5,6 +5,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, target
 from hypothesis import strategies as st
 
@@ -180,8 +181,6 @@ def test_the_int8_gemms_are_sliced_where_all_of_k_would_wrap():
 def test_int8_digits_give_back_the_value_or_refuse_it(count, data):
     """The limbs the kernels multiply: signed base-256 digits that sum back to the value, of
     int32 and int64 alike, and an OverflowError where `count` digits cannot hold it."""
-    import torch
-
     lo, hi = -128 * (256**count - 1) // 255, 127 * (256**count - 1) // 255  # all -128, all 127
     values = data.draw(st.lists(st.integers(lo, hi), min_size=1, max_size=8))
     v = torch.tensor(values, dtype=torch.int64)
@@ -194,7 +193,11 @@ def test_int8_digits_give_back_the_value_or_refuse_it(count, data):
     past = data.draw(st.sampled_from([lo - 1, hi + 1]))
     with pytest.raises(OverflowError, match=f"^{count} int8 limbs do not hold these values$"):
         dataflow.int8_digits(torch.tensor([*values, past]), count)
-    with pytest.raises(OverflowError):  # past 4 digits, an int32 step would wrap to a "fit"
+
+
+def test_int8_digits_refuse_an_int32_past_four_digits():
+    """Split in int32, 2**31 - 1 would wrap into a false fit of four digits."""
+    with pytest.raises(OverflowError):
         dataflow.int8_digits(torch.tensor([2**31 - 1], dtype=torch.int32), 4)
 
 
@@ -214,8 +217,6 @@ def test_folded_weight_max_is_the_largest_fold(w_bits):
 def test_int_mm_bound_is_the_attained_worst_sum():
     """It decides where the GPU may take torch._int_mm (triton_exact.folded_fits): the worst
     |sum| of k int8 products, attained with every limb -128, under 2**31 at the CPU's slices."""
-    import torch
-
     for k in (1, 32, 96):
         limbs = torch.full((1, k), -128, dtype=torch.int64)
         assert int((limbs @ limbs.T).item()) == dataflow.int_mm_bound(k)
