@@ -663,3 +663,52 @@ def test_the_vnni_self_check_refuses_a_broken_layout():
         with applied(next(m for m in CATALOGUE if m.name == name)):
             assert not native._self_check(lib)
     assert native._self_check(lib)
+
+
+# --------------------------------------------------------------------------- the layers' options
+
+
+def test_every_constructor_option_is_kept_and_used():
+    """PackedInt4Linear and from_weight pass every option on: out_dtype, backend and kernel
+    (mutmut found them unchecked)."""
+    w = torch.randn(16, 64)
+    x = torch.randn(3, 64).bfloat16()
+    packed = PackedInt4Linear(64, 16, 8, out_dtype=torch.float32, backend="cpu", kernel="wide")
+    dense = ExactLinear.from_weight(w, 4, act_bits=8, out_dtype=torch.float32, backend="cpu",
+                                    kernel="wide")
+    for layer in (packed, dense):
+        assert (layer.act_bits, layer.out_dtype, layer.backend, layer.kernel) == (
+            8, torch.float32, "cpu", "wide")
+        assert layer(x).dtype == torch.float32 and layer.plan(x).kernel.name == "wide"
+    assert dense.weight_packed.device == w.device
+
+
+@pytest.mark.parametrize(("weight", "match"), [
+    (torch.randn(64), r"weight must be a 2-D tensor \[out_features, in_features\]"),
+    ([[0.0] * 64], r"weight must be a 2-D tensor \[out_features, in_features\]"),
+    (torch.randn(4, 48), r"weight.shape\[1\] \(in_features\) must be a positive multiple of 32")])
+def test_from_weight_names_what_is_wrong_with_the_weight(weight, match):
+    with pytest.raises(ContractValueError, match=match):
+        ExactLinear.from_weight(weight)
+
+
+def test_a_width_changed_after_a_forward_is_used_by_the_next():
+    """The derived data is kept for the widths it was derived at: a layer whose act_bits changes
+    between forwards computes at the new width, never from the old width's data."""
+    layer = ExactLinear.from_weight(torch.randn(8, 64))
+    x = torch.randn(2, 64).bfloat16()
+    for act_bits in (16, 4, 8, 16):
+        layer.act_bits = act_bits
+        want = run(LinearCase(tensor_to_bits(x), BFLOAT16, None, layer.weight_packed.numpy(),
+                              tensor_to_bits(layer.weight_scale), act_bits, BFLOAT16), "reference")
+        assert (tensor_to_bits(layer(x)) == want).all(), act_bits
+
+
+def test_the_certificate_summary_counts_each_kind_of_row():
+    scales = torch.full((3, 2), 1.0, dtype=torch.bfloat16)
+    scales[1, 0] = 2.0**100  # a spread past every limit: a slow row
+    layer = PackedInt4Linear(64, 3)
+    layer.load_state_dict({"weight_packed": layer.weight_packed, "weight_scale": scales,
+                           "weight_shape": layer.weight_shape})
+    assert layer.certificate.summary() == {"rows": 3, "fast_rows": 2, "slow_rows": 1,
+                                           "max_spread": 100, "spread_limit": 12}
