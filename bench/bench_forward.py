@@ -59,7 +59,7 @@ def side_by_side(fns, repeats: int) -> list[float]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 128])
-    parser.add_argument("--act-bits", type=int, nargs="+", default=[16, 8])
+    parser.add_argument("--act-bits", type=int, nargs="+", default=[16, 8, 32])
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--binades", type=int, default=2,
                         help="the spread of each weight row's scales (2: every block unshifted)")

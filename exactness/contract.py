@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 GROUP_SIZE = 32
 WEIGHT_BITS = (4, 8)
-ACT_BITS = (4, 8, 16)
+ACT_BITS = (4, 8, 16, 32)  # 32: contract v1.1
 DEFAULT_ACT_BITS = 16
 
 

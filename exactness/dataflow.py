@@ -6,7 +6,8 @@ what the code does and what is proved about it.
 Dataflow of one output y[r, n] (contract section 4), in the GPU group kernel's order:
   1. activation limbs: qa (|qa| <= Qa) is split into int8 limbs; 16-bit activations as
      qa - LIMB_OFFSET = hi * 256 + lo (hi, lo in [-128, 127]) since [-32767, 32767] shifted by
-     128 fits the 65536 values two signed limbs span, while unshifted 32767 would need hi = 128;
+     128 fits the 65536 values two signed limbs span, while unshifted 32767 would need hi = 128
+     (32-bit activations: four limbs of qa - limb_offset(32), the same rule);
   2. group dot: D = sum_{k in group} limb * qw (int8 x int8 -> DOT_ACC_BITS), then
      P' = 256 * D_hi + D_lo (exact in DOT_ACC_BITS), so that the group's P = sum_k qa * qw is
      P' + LIMB_OFFSET * sum_k qw (one limb: P' = P);
@@ -30,13 +31,22 @@ FACTOR_BITS = 32  # f = ms << shift as the kernels hold it (int32 for certified 
 
 
 def act_limbs(act_bits: int) -> int:
-    """How many int8 limbs carry one activation: 1 for |qa| <= 127, else 2."""
-    return 1 if act_qmax(act_bits) < 2 ** (LIMB_BITS - 1) else 2
+    """How many int8 limbs carry one activation: 1 for |qa| <= 127, 2 for 16 bits, 4 for 32."""
+    return -(-act_qmax(act_bits).bit_length() // LIMB_BITS)
+
+
+def limb_offset(act_bits: int) -> int:
+    """What activation_limbs subtracts from qa: 0 for one limb, else 128 * (1 + 256 + ...) over
+    all limbs but the top one (LIMB_OFFSET for 16 bits, 0x808080 for 32). L signed limbs span
+    [-128 S, 127 S] (S = (256**L - 1) / 255): 2**(8 L) values, one more than [-Qa, Qa] holds,
+    so qa fits once shifted down by this (proved: limb-split)."""
+    limbs = act_limbs(act_bits)
+    return LIMB_OFFSET * (2 ** (LIMB_BITS * (limbs - 1)) - 1) // 255 if limbs > 1 else 0
 
 
 def limb_offset_sum_bound(w_bits: int, act_bits: int) -> int:
-    """Worst |LIMB_OFFSET * sum_k qw| of one group: the part of P that step 3 adds once per row."""
-    return LIMB_OFFSET * GROUP_SIZE * 2 ** (w_bits - 1) if act_limbs(act_bits) == 2 else 0
+    """Worst |limb_offset * sum_k qw| of one group: the part of P that step 3 adds once per row."""
+    return limb_offset(act_bits) * GROUP_SIZE * 2 ** (w_bits - 1)
 
 
 def group_term_bound(w_bits: int, act_bits: int) -> int:
@@ -100,10 +110,42 @@ def int8_digits(v, count: int):
 
 
 def activation_limbs(qa, act_bits: int):
-    """qa as int8 limbs [L, M, K]: qa itself, or the digits of qa - LIMB_OFFSET (16-bit)."""
-    if act_limbs(act_bits) == 1:
-        return int8_digits(qa, 1)
-    return int8_digits(qa - LIMB_OFFSET, 2)
+    """qa as int8 limbs [L, M, K]: the digits of qa - limb_offset (qa itself for one limb)."""
+    return int8_digits(qa.long() - limb_offset(act_bits), act_limbs(act_bits))
+
+
+# The int8 kernels (the C kernel, Triton's, the int8 GEMMs) carry at most this many activation
+# limbs; 32-bit activations take the float64 GEMMs, the int64 matmul or `wide` (registry's
+# int8_limbs_hold, in each int8 kernel's `eligible`).
+KERNEL_ACT_LIMBS = 2
+
+
+def wide_groups_per_sum(w_bits: int, act_bits: int) -> int:
+    """How many groups' P * ms the wide kernel sums in int64 before taking Python integers:
+    |P * ms| <= group_dot_bound * 255, so this many never pass 2**63 - 1 (2**32 groups at 16
+    bits, 4112 for 8-bit weights and 32-bit activations)."""
+    return (2 ** (COMBINE_ACC_BITS - 1) - 1) // (group_dot_bound(w_bits, act_bits)
+                                                * (2**SCALE_MANT_BITS - 1))
+
+
+# The CPU's 32-bit path (cpu.FLOAT64_GEMM): qa = hi * 2**16 + lo (lo in [0, 2**16), hi signed),
+# each half an exact float64 GEMM against the folded weights: integers whose every partial sum
+# stays within FLOAT64_EXACT_BITS (|v| <= 2**53: float64 holds it, so each add and FMA is exact).
+HALF_BITS = 16
+FLOAT64_EXACT_BITS = 54  # a signed 54-bit integer: |v| <= 2**53, every one a float64
+
+
+def float64_gemm_holds(k: int, w_bits: int, spread: int) -> bool:
+    """Whether the float64 GEMMs of K = k halves (|half| <= 2**16) by folded weights of this
+    spread keep every partial sum within 2**53 (proved: cpu-float64-gemm)."""
+    return k * 2**HALF_BITS * folded_weight_max(w_bits, spread) <= 2 ** (FLOAT64_EXACT_BITS - 1)
+
+
+def group_sum_bits(w_bits: int, act_bits: int) -> int:
+    """The signed width that holds a group's P = sum_k qa * qw and its partial sums: 32 up to
+    16-bit activations, 64 for 32-bit ones (|P| < 2**40)."""
+    return DOT_ACC_BITS if group_dot_bound(w_bits, act_bits) < 2 ** (DOT_ACC_BITS - 1) \
+        else COMBINE_ACC_BITS
 
 
 def weight_limbs_needed(lo: int, hi: int) -> int:

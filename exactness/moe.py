@@ -206,7 +206,7 @@ def plan(layers, x: torch.Tensor) -> Plan | None:
         return None
     family = layers[0][0]._family(x)
     try:
-        return plan_grouped(REGISTRY, family, x.device, forced)
+        return plan_grouped(REGISTRY, family, x.device, layers[0][0].act_bits, forced)
     except KernelUnavailableError as e:
         if forced:
             raise

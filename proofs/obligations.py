@@ -90,6 +90,10 @@ def accumulate_step(name: str, claim: str, acc_bits: int, steps: int, term_bound
     make_term() -> (the term's exact value (wide), its preconditions, its inner steps' claims,
     its named variables)."""
 
+    if steps * term_bound >= 2 ** (WIDE - 2):
+        raise ValueError(f"{name}: {steps} steps of {term_bound} do not fit the proofs' "
+                         f"{WIDE}-bit arithmetic")
+
     def build():
         j = z3.BitVec("j", 32)
         acc = z3.BitVec("acc", acc_bits)
@@ -119,18 +123,23 @@ def product_term(a_lo: int, a_hi: int, w_bits: int):
 
 
 def limb_split(a_bits: int) -> Obligation:
-    """qa in [-Qa, Qa] -> its int8 limbs (dataflow.activation_limbs) are int8 and recombine."""
+    """qa in [-Qa, Qa] -> its int8 limbs (dataflow.activation_limbs: the digits of
+    qa - limb_offset, taken in int64) are int8 and recombine."""
     qmax = act_qmax(a_bits)
+    limbs, offset = dataflow.act_limbs(a_bits), dataflow.limb_offset(a_bits)
 
     def build():
-        qa = z3.BitVec("qa", 32)
-        if dataflow.act_limbs(a_bits) == 1:
+        qa = z3.BitVec("qa", 64)
+        if limbs == 1:
             return in_range(qa, -qmax, qmax), in_range(qa, -128, 127), {"qa": qa}
-        v = qa - dataflow.LIMB_OFFSET
-        lo = ((v + 128) & 255) - 128
-        hi = (v - lo) >> dataflow.LIMB_BITS
-        post = z3.And(in_range(lo, -128, 127), in_range(hi, -128, 127),
-                      hi * 256 + lo + dataflow.LIMB_OFFSET == qa)
+        rest, digits = qa - offset, []
+        for _ in range(limbs):
+            low = ((rest + 128) & 255) - 128
+            digits.append(low)
+            rest = (rest - low) >> dataflow.LIMB_BITS
+        post = z3.And(*[in_range(d, -128, 127) for d in digits], rest == 0,
+                      sum(d << (dataflow.LIMB_BITS * i) for i, d in enumerate(digits)) + offset
+                      == qa)
         return in_range(qa, -qmax, qmax), post, {"qa": qa}
 
     return Obligation(f"limb-split-a{a_bits}", "activation limbs are int8 and sum back to qa",
@@ -306,8 +315,8 @@ def group_bound(w_bits: int, a_bits: int) -> Obligation:
         a, a_ok = signed_var("a", -qmax, qmax)
         w, w_ok = signed_var("w", -(2 ** (w_bits - 1)), 2 ** (w_bits - 1) - 1)
         post = within(product(a, w), bound)
-        if dataflow.act_limbs(a_bits) == 2:  # a - LIMB_OFFSET one bit wider: it cannot wrap
-            shifted = z3.SignExt(1, a) - dataflow.LIMB_OFFSET
+        if dataflow.act_limbs(a_bits) > 1:  # a - limb_offset one bit wider: it cannot wrap
+            shifted = z3.SignExt(1, a) - dataflow.limb_offset(a_bits)
             post = z3.And(post, within(product(shifted, w), term_bound))
         return z3.And(a_ok, w_ok), post, {"a": a, "w": w}
 
@@ -359,6 +368,92 @@ def combine_offset(w_bits: int, a_bits: int, k: int, acc_bits: int, spread: int)
                       f"the limb offset's LIMB_OFFSET * R added in int{acc_bits}, "
                       f"spread <= {spread}", build, w_bits=w_bits, a_bits=a_bits, k=k,
                       acc_bits=acc_bits, spread=spread)
+
+
+def wide_group_sum(w_bits: int, a_bits: int) -> Obligation:
+    """The wide kernel's group sums P = sum_k qa * q (an einsum) in dataflow.group_sum_bits."""
+    bits = dataflow.group_sum_bits(w_bits, a_bits)
+    qmax = act_qmax(a_bits)
+    return accumulate_step(
+        f"wide-group-sum-w{w_bits}-a{a_bits}", f"P = sum of 32 qa * q in int{bits}", bits,
+        GROUP_SIZE, qmax * 2 ** (w_bits - 1), product_term(-qmax, qmax, w_bits),
+        w_bits=w_bits, a_bits=a_bits)
+
+
+def wide_combine(w_bits: int, a_bits: int, k: int) -> Obligation:
+    """The wide kernel's int64 sums of P * ms, dataflow.wide_groups_per_sum groups at a time
+    (or all of a K = k row's), before its Python integers take the shifts."""
+    pmax = dataflow.group_dot_bound(w_bits, a_bits)
+    mant = 2**dataflow.SCALE_MANT_BITS - 1
+    steps = min(dataflow.wide_groups_per_sum(w_bits, a_bits), k // GROUP_SIZE)
+    bits = dataflow.COMBINE_ACC_BITS
+
+    def make():
+        p, p_ok = signed_var("P", -pmax, pmax)
+        ms, ms_ok = signed_var("ms", -mant, mant)
+        return product(p, ms), z3.And(p_ok, ms_ok), z3.BoolVal(True), {"P": p, "ms": ms}
+
+    return accumulate_step(
+        f"wide-combine-w{w_bits}-a{a_bits}-k{k}", f"{steps} groups' P * ms in int{bits}",
+        bits, steps, mant * pmax, make, w_bits=w_bits, a_bits=a_bits, k=k)
+
+
+def cpu_int64_matmul(w_bits: int, a_bits: int, k: int, spread: int) -> Obligation:
+    """cpu.accumulate_int64: T = qa @ Wf^T in int64, K products of an activation and a folded
+    weight q * ms << shift (shift <= spread), every partial sum."""
+    qmax = act_qmax(a_bits)
+    fold_max = dataflow.folded_weight_max(w_bits, spread)
+    bits = dataflow.COMBINE_ACC_BITS
+
+    def make():
+        a, a_ok = signed_var("qa", -qmax, qmax)
+        w, w_ok = signed_var("wf", -fold_max, fold_max)
+        return product(a, w), z3.And(a_ok, w_ok), z3.BoolVal(True), {"qa": a, "wf": w}
+
+    return accumulate_step(
+        f"cpu-int64-matmul-w{w_bits}-a{a_bits}-k{k}",
+        f"qa @ folded weights over K={k} in int{bits}, spread <= {spread}", bits, k,
+        qmax * fold_max, make, w_bits=w_bits, a_bits=a_bits, k=k, spread=spread)
+
+
+def cpu_float64_gemm(w_bits: int, a_bits: int, k: int, spread: int) -> Obligation:
+    """cpu.accumulate_float64: each half of qa (hi in [-2**15, 2**15), lo in [0, 2**16)) times
+    the folded weights over K: every partial sum an integer within FLOAT64_EXACT_BITS, where
+    float64 holds every integer, so each add (or FMA) of the GEMM is exact."""
+    fold_max = dataflow.folded_weight_max(w_bits, spread)
+    half = 2**dataflow.HALF_BITS
+    bits = dataflow.FLOAT64_EXACT_BITS
+
+    def make():
+        h, h_ok = signed_var("half", -half // 2, half - 1)
+        w, w_ok = signed_var("wf", -fold_max, fold_max)
+        return product(h, w), z3.And(h_ok, w_ok), z3.BoolVal(True), {"half": h, "wf": w}
+
+    return accumulate_step(
+        f"cpu-float64-gemm-w{w_bits}-a{a_bits}-k{k}",
+        f"halves @ folded weights over K={k} within 2**53 (float64-exact), spread <= {spread}",
+        bits, k, half * fold_max, make, w_bits=w_bits, a_bits=a_bits, k=k, spread=spread)
+
+
+def cpu_float64_recombine(w_bits: int, a_bits: int, k: int, spread: int) -> Obligation:
+    """T = (hi part << 16) + lo part in int64, from the halves' GEMM bounds: hi = qa >> 16 is in
+    [-1, 0] up to 16-bit activations and [-2**15, 2**15) at 32 bits."""
+    fold_max = dataflow.folded_weight_max(w_bits, spread)
+    half = 2**dataflow.HALF_BITS
+    qmax = act_qmax(a_bits)
+    hi_max = max(-(-qmax >> dataflow.HALF_BITS), qmax >> dataflow.HALF_BITS)
+    bits = dataflow.COMBINE_ACC_BITS
+
+    def build():
+        hi, hi_ok = signed_var("hi_part", -k * hi_max * fold_max, k * hi_max * fold_max)
+        lo, lo_ok = signed_var("lo_part", -k * (half - 1) * fold_max, k * (half - 1) * fold_max)
+        shifted = wide(hi) << dataflow.HALF_BITS
+        return (z3.And(hi_ok, lo_ok), z3.And(fits(shifted, bits), fits(shifted + wide(lo), bits)),
+                {"hi_part": hi, "lo_part": lo})
+
+    return Obligation(f"cpu-float64-recombine-w{w_bits}-a{a_bits}-k{k}",
+                      f"the halves' parts recombined in int{bits}, spread <= {spread}", build,
+                      w_bits=w_bits, a_bits=a_bits, k=k, acc_bits=bits, spread=spread)
 
 
 def cpu_int_mm(k: int, dot_bits: int) -> Obligation:
@@ -479,20 +574,32 @@ def for_config(w_bits: int, a_bits: int, k: int, acc_bits: int | None = None,
     if spread is None:
         spread = max(0, dataflow.certified_spread(k, w_bits, a_bits, acc_bits))
     dot = dataflow.DOT_ACC_BITS
-    obligations = [limb_split(a_bits), group_dot(w_bits, a_bits, dot), vnni_dot(w_bits, dot),
-                   group_bound(w_bits, a_bits)]
+    obligations = [limb_split(a_bits), group_bound(w_bits, a_bits),
+                   wide_group_sum(w_bits, a_bits), wide_combine(w_bits, a_bits, k),
+                   combine(w_bits, a_bits, k, acc_bits, spread),
+                   scale_factor(w_bits, a_bits, k, spread),
+                   cpu_int64_matmul(w_bits, a_bits, k, spread)]
+    if dataflow.float64_gemm_holds(k, w_bits, spread):  # else the kernel refuses the layer
+        obligations += [cpu_float64_gemm(w_bits, a_bits, k, spread),
+                        cpu_float64_recombine(w_bits, a_bits, k, spread)]
+    if dataflow.act_limbs(a_bits) > dataflow.KERNEL_ACT_LIMBS:  # no int8 kernel takes these
+        return _configured(obligations, w_bits, a_bits, k, dot)
+    obligations += [group_dot(w_bits, a_bits, dot), vnni_dot(w_bits, dot)]
     if dataflow.act_limbs(a_bits) == 2:
         obligations.append(group_recombine(w_bits, a_bits, dot))
     obligations.append(vnni_recombine(w_bits, a_bits, dot))
     if (w_bits, a_bits) == (4, 16):  # the span kernel's configuration
         obligations += [span_fold(w_bits), span_group(w_bits, a_bits, dot),
                         span_unshifted(a_bits, dot)]
-    obligations.append(combine(w_bits, a_bits, k, acc_bits, spread))
     if dataflow.act_limbs(a_bits) == 2:
         obligations.append(combine_offset(w_bits, a_bits, k, acc_bits, spread))
     obligations += [cpu_int_mm(dataflow.int_mm_chunk(k), dot),
-                    scale_factor(w_bits, a_bits, k, spread),
                     cpu_combine(w_bits, a_bits, k, spread)]
+    return _configured(obligations, w_bits, a_bits, k, dot)
+
+
+def _configured(obligations: list[Obligation], w_bits: int, a_bits: int, k: int,
+                dot: int) -> list[Obligation]:
     for o in obligations:
         o.w_bits, o.a_bits, o.k = w_bits, a_bits, k
         o.acc_bits = o.acc_bits or dot

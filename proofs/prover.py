@@ -26,7 +26,7 @@ import numpy as np
 import z3
 
 from exactness import dataflow
-from exactness.contract import BFLOAT16, FLOAT32, GROUP_SIZE, act_qmax
+from exactness.contract import ACT_BITS, BFLOAT16, FLOAT32, GROUP_SIZE, act_qmax
 from exactness.formats import pack_weights, round_scaled
 from exactness.suite.cases import LinearCase
 
@@ -203,7 +203,7 @@ def realize(v: Verdict, dot_bits: int, combine_bits: int) -> str | None:
 
 
 def catalogue(args) -> list[ob.Obligation]:
-    configs = [(w, a, k) for w in (args.w_bits or (4, 8)) for a in (args.a_bits or (4, 8, 16))
+    configs = [(w, a, k) for w in (args.w_bits or (4, 8)) for a in (args.a_bits or ACT_BITS)
                for k in (args.k or KIMI_K)]
     seen, out = set(), []
     for w, a, k in configs:
@@ -221,7 +221,7 @@ def catalogue(args) -> list[ob.Obligation]:
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m exactness prove", description=__doc__)
     parser.add_argument("--w-bits", type=int, nargs="+", choices=(4, 8))
-    parser.add_argument("--a-bits", type=int, nargs="+", choices=(4, 8, 16))
+    parser.add_argument("--a-bits", type=int, nargs="+", choices=ACT_BITS)
     parser.add_argument("--k", type=int, nargs="+", help="in_features (multiples of 32)")
     parser.add_argument("--acc-bits", type=int, choices=(32, 64),
                         help="the combine accumulator (default: dataflow.COMBINE_ACC_BITS)")

@@ -74,8 +74,8 @@ def test_weight_bits_outside_4_and_8(bits):
         weight_range(bits)
 
 
-@pytest.mark.parametrize("act_bits", [0, 2, 12, 32, None])
-def test_act_bits_outside_4_8_16(act_bits):
+@pytest.mark.parametrize("act_bits", [0, 2, 12, 24, 64, None])
+def test_act_bits_outside_4_8_16_32(act_bits):
     with pytest.raises(ContractValueError, match="act_bits must be one of"):
         act_qmax(act_bits)
     with pytest.raises(ContractValueError, match="act_bits"):

@@ -58,13 +58,15 @@ def test_from_pretrained_holds_the_checkpoints_int4_tensors_as_stored(checkpoint
     assert isinstance(exact.model.layers[0].mlp.gate_proj, torch.nn.Linear)
 
 
-def test_every_expert_projection_is_bit_identical_to_the_reference(checkpoint):
-    exact = hf.from_pretrained(checkpoint)
+@pytest.mark.parametrize("act_bits", [16, 32])
+def test_every_expert_projection_is_bit_identical_to_the_reference(checkpoint, act_bits):
+    exact = hf.from_pretrained(checkpoint, act_bits)
     g = torch.Generator().manual_seed(0)
     for name, layer in projections(exact).items():
         x = torch.randn(3, layer.in_features, generator=g).bfloat16()
         want = reference_linear(tensor_to_bits(x), "bfloat16", layer.weight_packed.numpy(),
-                                tensor_to_bits(layer.weight_scale))
+                                tensor_to_bits(layer.weight_scale), act_bits=act_bits)
+        assert layer.act_bits == act_bits
         assert (tensor_to_bits(layer(x)) == want).all(), name
 
 

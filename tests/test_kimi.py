@@ -175,7 +175,7 @@ def test_a_bad_tensor_in_any_expert_leaves_the_model_as_it_was(tmp_path, where):
     assert_unchanged(model, before)
 
 
-@pytest.mark.parametrize("act_bits", [4, 8, 16])
+@pytest.mark.parametrize("act_bits", [4, 8, 16, 32])
 @pytest.mark.parametrize("dense_bits", [None, 4, 8])
 def test_every_conversion_option_computes_at_its_setting(tmp_path, act_bits, dense_bits):
     """convert_kimi_to_exact(act_bits, dense_bits): every routed projection computes at

@@ -19,9 +19,17 @@ from exactness.kernels import REGISTRY, KernelUnavailableError, native, triton_e
 from exactness.kernels.registry import no
 from exactness.suite.cases import LinearCase, load_vectors
 from exactness.suite.counterexamples import check_bits
-from exactness.suite.paths import BACKENDS, available_paths, layer_for, require, run
+from exactness.suite.paths import (
+    BACKENDS,
+    available_paths,
+    held_act_bits,
+    layer_for,
+    require,
+    run,
+)
 from exactness.suite.reference import quantize_activations
 from exactness.suite.strategies import (
+    INT8_KERNEL_ACT_BITS,
     KIMI_SHAPES,
     activation_bits,
     final_rounding_at_the_top,
@@ -41,6 +49,13 @@ needs_triton = pytest.mark.skipif("triton" not in LAYER_PATHS,
 
 def check_path(case, path):
     check_bits(case, path, run(case, path), run(case, "reference"))
+
+
+def holding(case, paths) -> list[str]:
+    """The `paths` that hold `case` (32-bit activations: no Triton kernel does yet, and a test
+    below checks that it says so)."""
+    held = available_paths(case)
+    return [path for path in paths if path in held]
 
 
 def skip_unless_here(path: str) -> None:
@@ -67,10 +82,12 @@ def test_vectors_through_the_layer(path):
     assert held >= 9, f"{path} held only {held} of the vectors"
 
 
-# what each kernel is checked on: wide is Python integers, the Triton kernels are interpreted
+# what each kernel is checked on: wide is Python integers, the Triton kernels are interpreted;
+# each at the activation widths it holds (held_act_bits)
 EQUIVALENCE_CASES = {
     "vnni-spans": linear_cases(max_k=256, max_n=40, max_rows=20, w_bits=4, act_bits_=16),
-    "triton-group": linear_cases(max_k=128, max_n=40, max_rows=20),
+    "triton-group": linear_cases(max_k=128, max_n=40, max_rows=20,
+                                 act_bits_=INT8_KERNEL_ACT_BITS),
     "wide": linear_cases(max_k=128, max_n=16, max_rows=6),
 }
 
@@ -81,8 +98,8 @@ def test_path_matches_reference(path, data):
     """Each kernel forced, at every batch size, against the reference. (triton-folded:
     test_triton_folded_path_matches_reference.)"""
     skip_unless_here(path)
-    case = data.draw(EQUIVALENCE_CASES.get(path, linear_cases(max_k=256, max_n=40, max_rows=20)),
-                     label="case")
+    case = data.draw(EQUIVALENCE_CASES.get(path, linear_cases(
+        max_k=256, max_n=40, max_rows=20, act_bits_=held_act_bits(path))), label="case")
     check_path(case, path)
 
 
@@ -208,14 +225,14 @@ def int_mm_through_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 MACHINES = {  # what this CPU would not do, simulated: (the C kernel's status, torch._int_mm)
     "no-vnni": (no("the CPU lacks avx512_vnni"), None, "int8-gemm"),
     "no-vnni-int-mm-inexact": (no("the CPU lacks avx512_vnni"), int_mm_through_fp32,
-                               "int64-matmul"),
+                               "float64-gemm"),
 }
 
 
 @pytest.mark.parametrize("machine", MACHINES)
 def test_every_cpu_path_the_plan_takes_on_another_machine(machine, monkeypatch):
     """The layer's own plan on CPUs this one is not: without AVX-512 VNNI (int8-gemm), and
-    with a torch._int_mm that is not exact (int64-matmul, which no machine here picks). The
+    with a torch._int_mm that is not exact (float64-gemm, which no machine here picks). The
     plan picks the path such a machine would, and it gives the reference's bits, at K past
     fp32's exact sums (where an inexact _int_mm shows)."""
     from exactness.kernels import cpu
@@ -228,7 +245,8 @@ def test_every_cpu_path_the_plan_takes_on_another_machine(machine, monkeypatch):
     cpu.int_mm_exact.cache_clear()
     try:
         @settings(max_examples=max(10, settings.default.max_examples // 3))
-        @given(linear_cases(max_k=2048, max_n=8, max_rows=4, min_k=1024))
+        @given(linear_cases(max_k=2048, max_n=8, max_rows=4, min_k=1024,
+                            act_bits_=INT8_KERNEL_ACT_BITS))
         def check(case):
             layer = layer_for(case, "cpu")
             x = bits_to_tensor(case.x_bits, case.x_format)
@@ -238,6 +256,34 @@ def test_every_cpu_path_the_plan_takes_on_another_machine(machine, monkeypatch):
         check()
     finally:
         cpu.int_mm_exact.cache_clear()
+
+
+def test_the_int64_matmul_takes_what_float64_cannot_hold(monkeypatch):
+    """On a CPU without VNNI or an exact _int_mm, K = 18432 at spread 12 could pass 2**53 in the
+    float64 GEMMs: the plan says so and takes the int64 matmul, with the reference's bits."""
+    from exactness.kernels import cpu
+
+    monkeypatch.setattr(native, "status", lambda: (None, no("the CPU lacks avx512_vnni")))
+    monkeypatch.setattr(native, "warn_fallback", lambda why: None)
+    monkeypatch.setattr(torch, "_int_mm", int_mm_through_fp32)
+    cpu.int_mm_exact.cache_clear()
+    try:
+        rng = np.random.default_rng(7)
+        n, k = 2, 18432
+        q = rng.integers(-8, 8, (n, k))
+        scales = np.full((n, k // 32), 0x3C00)
+        scales[:, 0] = 0x4200  # 2**-7 and 2**5: spread 12, the certified limit
+        x = rng.integers(0x3F00, 0x4000, (2, k)) | (rng.integers(0, 2, (2, k)) << 15)
+        case = LinearCase(x, BFLOAT16, q, pack_weights(q, 4), scales, 16, BFLOAT16, 4)
+        layer = layer_for(case, "cpu")
+        plan = layer.plan(bits_to_tensor(x, BFLOAT16))
+        assert plan.kernel.name == "int64-matmul"
+        assert any(name == "float64-gemm" and "2**53" in why for name, why in plan.passed_over)
+        check_bits(case, "int64-matmul", tensor_to_bits(layer(bits_to_tensor(x, BFLOAT16))),
+                   run(case, "reference"))
+    finally:
+        cpu.int_mm_exact.cache_clear()
+
 
 
 def test_a_fallback_from_the_c_kernel_warns_once_saying_why(monkeypatch):
@@ -285,7 +331,7 @@ def folded_case(case: LinearCase) -> tuple[LinearCase, np.ndarray, np.ndarray]:
 
 @needs_triton
 @settings(max_examples=max(10, settings.default.max_examples // 2))  # each example is 64 rows
-@given(linear_cases(max_k=128, max_n=40, max_rows=20))
+@given(linear_cases(max_k=128, max_n=40, max_rows=20, act_bits_=INT8_KERNEL_ACT_BITS))
 def test_triton_folded_path_matches_reference(case):
     case, _, _ = folded_case(case)
     check_path(case, "triton-folded")
@@ -295,7 +341,8 @@ def test_triton_folded_path_matches_reference(case):
 
 @needs_triton
 @settings(max_examples=max(10, settings.default.max_examples // 3))  # the kernels, no reference
-@given(linear_cases(max_k=256, max_n=24, max_rows=5), st.integers(2, 8))
+@given(linear_cases(max_k=256, max_n=24, max_rows=5, act_bits_=INT8_KERNEL_ACT_BITS),
+       st.integers(2, 8))
 def test_the_group_kernels_k_split_changes_no_bit(case, slices):
     """The group kernel's T summed over slices of K (integer atomics, then combine_kernel's
     rounding) has the whole launch's bits, at any number of slices (the layer's own split is
@@ -311,7 +358,8 @@ def test_the_group_kernels_k_split_changes_no_bit(case, slices):
 
 @needs_triton
 @settings(max_examples=max(10, settings.default.max_examples // 3))  # the kernel, no layer
-@given(linear_cases(max_k=256, max_n=1, max_rows=17), st.integers(1, 4),
+@given(linear_cases(max_k=256, max_n=1, max_rows=17,
+                    act_bits_=INT8_KERNEL_ACT_BITS), st.integers(1, 4),
        st.sampled_from([512, 2048]))
 def test_the_quantize_kernel_at_any_slicing_and_tile(case, slices, tile):
     """quantize_kernel's limbs and row exponents are the contract's (reference, dataflow) at any
@@ -329,7 +377,8 @@ def test_the_quantize_kernel_at_any_slicing_and_tile(case, slices, tile):
 
 @needs_triton
 @settings(max_examples=max(10, settings.default.max_examples // 6))  # up to 9 launches each
-@given(linear_cases(max_k=96, max_n=24, max_rows=9), st.integers(1, 4))
+@given(linear_cases(max_k=96, max_n=24, max_rows=9, act_bits_=INT8_KERNEL_ACT_BITS),
+       st.integers(1, 4))
 def test_launches_in_blocks_of_rows_match_reference(case, block):
     """Past int32 offsets (triton_exact.rows_per_launch) a forward launches blocks of rows;
     with the limit shrunk to `block` rows a launch, the bits are still the reference's."""
@@ -338,6 +387,20 @@ def test_launches_in_blocks_of_rows_match_reference(case, block):
     with mock.patch.object(triton_exact, "INT32_OFFSETS", limit):
         assert triton_exact.rows_per_launch(k, n, case.act_bits) == block
         check_path(case, "triton")
+
+
+@needs_triton
+@pytest.mark.parametrize("path", ["triton-group", "triton"])
+def test_the_triton_kernels_at_8_bit_weights(path):
+    """8-bit weights take two words a group: every group's words, at K past one group, against
+    the reference (the equivalence property draws them a quarter of the time)."""
+    rng = np.random.default_rng(11)
+    q = rng.integers(-128, 128, (12, 160))
+    x = rng.integers(0x3F00, 0x4000, (3, 160)) | (rng.integers(0, 2, (3, 160)) << 15)
+    scales = 0x3C00 + rng.integers(0, 256, (12, 5))
+    for act_bits in (8, 16):
+        check_path(LinearCase(x, BFLOAT16, q, pack_weights(q, 8), scales, act_bits, BFLOAT16, 8),
+                   path)
 
 
 @needs_triton
@@ -408,7 +471,7 @@ def test_final_rounding_near_ties(path, case):
 def test_final_rounding_at_the_top_of_the_range(case):
     """Vectors of outputs at and past fp16's largest finite value: an overflow is infinity, and
     no fast rounding may encode it as anything else."""
-    for path in LAYER_PATHS:
+    for path in holding(case, LAYER_PATHS):
         check_path(case, path)
 
 
@@ -417,7 +480,7 @@ def test_wide_spread_rows_stay_exact(case, data):
     """Scale exponents across the whole bf16 range: certified slow rows take the exact path."""
     case.scale_bits = data.draw(scale_bits(case.shape[2], case.shape[1] // 32, kind="spread"))
     case.scale_bits[0, 0], case.scale_bits[0, -1] = 0x0001, 0x7E00
-    for path in [*LAYER_PATHS, "wide"]:
+    for path in [*holding(case, LAYER_PATHS), "wide"]:
         check_path(case, path)
 
 
@@ -434,7 +497,7 @@ def kimi_cases(draw, act_bits: int, path: str, rows: int | None = None):
 
 
 @pytest.mark.parametrize(("path", "act_bits"), [(path, act_bits) for path in BACKENDS
-                                                 for act_bits in (4, 8, 16)])
+                                                 for act_bits in held_act_bits(path)])
 def test_full_kimi_sizes(path, act_bits):
     skip_unless_here(path)
     @settings(max_examples=1, derandomize=True, database=None)
@@ -473,7 +536,7 @@ def test_dense_mlp_input_size_18432():
 @given(linear_cases(max_k=128, max_n=16, max_rows=12), st.randoms(use_true_random=False))
 def test_batch_and_permutation_invariance(case, random):
     """A row's bits depend on that row alone: not on the others, their order, or the batch size."""
-    for path in LAYER_PATHS:
+    for path in holding(case, LAYER_PATHS):
         layer = layer_for(case, path)
         x = bits_to_tensor(case.x_bits, case.x_format)
         whole = tensor_to_bits(layer(x))
@@ -486,7 +549,7 @@ def test_batch_and_permutation_invariance(case, random):
 
 
 @needs_triton
-@given(linear_cases(max_k=128, max_n=24, max_rows=18))
+@given(linear_cases(max_k=128, max_n=24, max_rows=18, act_bits_=INT8_KERNEL_ACT_BITS))
 def test_cpu_equals_interpreted_triton(case):
     assert (run(case, "cpu") == run(case, "triton")).all()
 

@@ -26,8 +26,14 @@ from exactness.kernels.routing import route
 from exactness.kimi import ExactExperts, KimiConfig, KimiMoE
 from exactness.suite.cases import LinearCase, MoECase
 from exactness.suite.counterexamples import check_bits
-from exactness.suite.paths import available_paths, grouped_paths, run
-from exactness.suite.strategies import moe_cases, routed_cases, routings, seeds
+from exactness.suite.paths import available_paths, grouped_paths, held_act_bits, run
+from exactness.suite.strategies import (
+    INT8_KERNEL_ACT_BITS,
+    moe_cases,
+    routed_cases,
+    routings,
+    seeds,
+)
 from tests.test_modules import skip_unless_here
 
 pytestmark = pytest.mark.stage("equivalence")  # make verify's stage
@@ -55,7 +61,7 @@ def test_grouped_projection_matches_reference(path):
     skip_unless_here(path)
 
     @examples(BACKEND_OF[path], 1, 1200)
-    @given(routed_cases(max_experts=5, max_rows=12))
+    @given(routed_cases(max_experts=5, max_rows=12, act_bits_=INT8_KERNEL_ACT_BITS))
     def check(case):
         check_bits(case, path, run(case, path), run(case, "reference"))
 
@@ -128,7 +134,8 @@ def test_grouped_experts_match_transformers_loop(backend):
     projection is checked against the reference, and the first that differs is written as a
     counterexample file."""
     skip_unless_backend(backend)
-    examples(backend, 2, 600)(given(moe_cases())(lambda case: check_experts(backend, case)))()
+    cases = moe_cases(act_bits_=held_act_bits(backend))  # triton: not 32 bits (test_act32.py)
+    examples(backend, 2, 600)(given(cases)(lambda case: check_experts(backend, case)))()
 
 
 def check_experts(backend: str, case) -> None:

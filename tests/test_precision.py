@@ -54,3 +54,15 @@ def test_the_bf16_path_errs_on_generated_data():
     exact = errors(ys["exact a16, fp32 out"], truth, FLOAT32)
     assert exact.norm < bf16.norm
     assert np.isfinite(bf16.rel).all()
+
+
+def test_the_32_bit_path_is_the_correctly_rounded_product_on_ordinary_activations():
+    """v1.1: N(0, 1) bf16 rows lose nothing at act_bits 32, so every output is RNE of the truth:
+    at most half an ulp, where the 16-bit path is not."""
+    layer = qat_layer(256, 32, seed=4)
+    x = torch.randn(8, 256, generator=torch.Generator().manual_seed(4)).bfloat16()
+    truth = exact_truth(x, layer)
+    ys = outputs(x, layer)
+    a32 = errors(ys["exact a32, fp32 out"], truth, FLOAT32)
+    assert a32.rounded == 1.0 and a32.ulp_max <= 0.5
+    assert errors(ys["exact a16, fp32 out"], truth, FLOAT32).rounded < 1.0

@@ -2,6 +2,7 @@
 real code never exceeds what they prove."""
 
 import json
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -15,7 +16,13 @@ from exactness.suite.counterexamples import read
 from exactness.suite.mutants import CATALOGUE, Mutant, applied, mutated_function
 from exactness.suite.paths import run
 from exactness.suite.reference import combine_groups, group_dots, quantize_activations, split_scales
-from exactness.suite.strategies import activation_bits, formats, int_weights, scale_bits
+from exactness.suite.strategies import (
+    INT8_KERNEL_ACT_BITS,
+    activation_bits,
+    formats,
+    int_weights,
+    scale_bits,
+)
 from proofs import obligations as ob
 from proofs import prover
 from proofs.prover import extreme_case, main, prove
@@ -158,7 +165,8 @@ def test_simulated_dataflow_at_the_real_widths_equals_the_reference(data):
     """The description the proofs read, executed: it is the arithmetic the reference computes."""
     from exactness.suite.strategies import linear_cases
 
-    case = data.draw(linear_cases(max_k=96, max_n=3, max_rows=2))
+    case = data.draw(linear_cases(max_k=96, max_n=3, max_rows=2,
+                                  act_bits_=INT8_KERNEL_ACT_BITS))
     _, _, _, spread = split_scales(case.scale_bits)
     fast = spread <= dataflow.certified_spread(case.shape[1], case.w_bits, case.act_bits)
     got, want = run(case, "simulated"), run(case, "reference")
@@ -222,3 +230,45 @@ def test_int_mm_bound_is_the_attained_worst_sum():
         assert int((limbs @ limbs.T).item()) == dataflow.int_mm_bound(k)
     chunk = dataflow.INT_MM_CHUNK
     assert dataflow.int_mm_bound(chunk) < 2**31 <= dataflow.int_mm_bound(2 * chunk)
+
+
+@pytest.mark.parametrize("act_bits", [4, 8, 16, 32])
+def test_activation_limbs_recombine_at_every_width(act_bits):
+    """qa in [-Qa, Qa] as 1, 1, 2 or 4 int8 limbs of qa minus the offset (0, 0, 128, 0x808080:
+    written out here, not read from dataflow), at both ends and between."""
+    qmax = 2 ** (act_bits - 1) - 1
+    limbs, offset = {4: (1, 0), 8: (1, 0), 16: (2, 128), 32: (4, 0x808080)}[act_bits]
+    qa = torch.tensor([-qmax, -qmax + 1, -1, 0, 1, qmax - 1, qmax, qmax // 3, -qmax // 5])
+    digits = dataflow.activation_limbs(qa, act_bits)
+    assert digits.dtype == torch.int8 and digits.shape == (limbs, qa.numel())
+    back = sum(digits[i].long() << (8 * i) for i in range(limbs)) + offset
+    assert torch.equal(back, qa)
+
+
+@pytest.mark.parametrize("act_bits", [4, 8, 16, 32])
+def test_the_limb_split_is_proved_at_every_width(act_bits):
+    assert prove(ob.limb_split(act_bits)).verdict == "proved"
+
+
+def test_a_32_bit_group_sum_in_int32_is_refuted():
+    """The wide kernel sums a 32-bit group in int64: int32 would wrap (its obligation at the
+    wrong width is refuted), and so would the int8 kernels' dot width."""
+    assert dataflow.group_sum_bits(4, 32) == 64 and dataflow.group_sum_bits(4, 16) == 32
+    with mock.patch.object(dataflow, "group_sum_bits", lambda w, a: 32):
+        assert prove(ob.wide_group_sum(4, 32)).verdict == "refuted"
+    assert prove(ob.wide_group_sum(4, 32)).verdict == "proved"
+
+
+def test_the_int64_matmul_is_refuted_one_step_past_the_certified_spread():
+    limit = dataflow.certified_spread(18432, 4, 32)
+    assert prove(ob.cpu_int64_matmul(4, 32, 18432, limit)).verdict == "proved"
+    assert prove(ob.cpu_int64_matmul(4, 32, 18432, limit + 3)).verdict == "refuted"
+
+
+def test_the_float64_gemm_is_proved_where_its_check_admits_it_and_refuted_past():
+    """cpu.FLOAT64_GEMM's runtime check (dataflow.float64_gemm_holds) and its proof agree: at
+    K = 18432, spread 11 stays within 2**53, spread 12 can pass it."""
+    assert dataflow.float64_gemm_holds(18432, 4, 11) and not dataflow.float64_gemm_holds(
+        18432, 4, 12)
+    assert prove(ob.cpu_float64_gemm(4, 32, 18432, 11)).verdict == "proved"
+    assert prove(ob.cpu_float64_gemm(4, 32, 18432, 12)).verdict == "refuted"

@@ -13,7 +13,8 @@ VECTORS = load_vectors()
 
 
 def test_the_vectors_are_all_there():
-    assert len(VECTORS) == 36
+    assert len(VECTORS) == 36 + 18  # contract v1, and v1.1 at act_bits = 32
+    assert sum(c.act_bits == 32 for c in VECTORS) == 18
     assert all(np.any(c.expected != 0) for c in VECTORS if "zeros" not in c.name)
 
 
@@ -32,7 +33,7 @@ def test_reference_reproduces_vector(case):
 
 
 def test_every_vector():
-    """All 36 at once, without fixtures: the planted-bug catalogue calls this one."""
+    """All 54 at once, without fixtures: the planted-bug catalogue calls this one."""
     for case in VECTORS:
         got = reference_linear(case.x_bits, case.x_format, case.weight_packed, case.scale_bits,
                                **case.kwargs())

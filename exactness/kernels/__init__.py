@@ -14,7 +14,8 @@ REGISTRY: tuple[Kernel, ...] = (
     native.LIMBS,  # C, AVX-512 VNNI: activations as int8 limbs
     native.GROUPED,  # C, AVX-512 VNNI: an MoE layer's routed experts in one call
     cpu.INT8_GEMM,  # torch._int_mm on folded weight digits
-    cpu.INT64_MATMUL,  # an int64 matmul, where torch._int_mm is not exact
+    cpu.FLOAT64_GEMM,  # any widths (32-bit activations): two exact float64 GEMMs of integers
+    cpu.INT64_MATMUL,  # an int64 matmul, where torch._int_mm is not exact (or nothing else holds)
     triton_exact.FOLDED,  # GPU, many rows: an int8 GEMM on folded weight digits
     triton_exact.GROUP,  # GPU: per group of 32, int8 dots on tensor cores
     triton_grouped.GROUPED,  # GPU: an MoE layer's routed experts in one launch

@@ -19,7 +19,7 @@ from .. import dataflow
 from ..contract import GROUP_SIZE, FloatFormat, float_format
 from ..formats import bits_to_tensor, check_finite, float_bits, round_scaled_array
 from .activations import quantize_rows
-from .registry import Fit, Weights, no, yes
+from .registry import Fit, Weights, int8_limbs_hold, no, yes
 
 
 class FoldedWeights:
@@ -100,7 +100,9 @@ class _GemmKernel:
         return yes("torch._int_mm, exact here" if self.int8 else "int64 matmul")
 
     def eligible(self, rows: int, weights: Weights) -> Fit:
-        return yes("any widths")
+        if self.int8:
+            return int8_limbs_hold(weights.act_bits)
+        return yes("any widths (int64 products, 32-bit activations too)")
 
     def prepare(self, weights: Weights) -> FoldedWeights:
         return FoldedWeights(weights.q(), weights.certificate.factor.cpu())
@@ -119,3 +121,63 @@ class _GemmKernel:
 
 INT8_GEMM = _GemmKernel("int8-gemm", int8=True)
 INT64_MATMUL = _GemmKernel("int64-matmul", int8=False)
+
+
+class Float64Weights:
+    """Derived at load: the folded weights Wf^T [K, N] as float64 (integers, exact: |Wf| < 2**24),
+    8 bytes a weight."""
+
+    def __init__(self, q: torch.Tensor, factor: torch.Tensor):
+        n, k = q.shape
+        folded = q.to(torch.int64).view(n, k // GROUP_SIZE, GROUP_SIZE) * factor.to(
+            torch.int64)[:, :, None]
+        self.folded_t = folded.view(n, k).t().to(torch.float64).contiguous()
+
+    @property
+    def nbytes(self) -> int:
+        return self.folded_t.numel() * 8
+
+
+def accumulate_float64(qa: torch.Tensor, weights: Float64Weights) -> torch.Tensor:
+    """T [M, N] int64 = qa @ Wf^T: qa's halves (hi signed, lo in [0, 2**16)) each times Wf^T in
+    float64, every partial sum an integer within 2**53 (dataflow.float64_gemm_holds), so exact;
+    then T = hi_part << 16 + lo_part in int64, within the certified combine bound."""
+    qa = qa.to(torch.int64)
+    hi, lo = qa >> dataflow.HALF_BITS, qa & (2**dataflow.HALF_BITS - 1)
+    parts = [(half.to(torch.float64) @ weights.folded_t).to(torch.int64) for half in (hi, lo)]
+    return (parts[0] << dataflow.HALF_BITS) + parts[1]
+
+
+class _Float64Kernel:
+    """Any activation width on the CPU, 32 bits included: two exact float64 GEMMs
+    (accumulate_float64), the one rounding by formats. After the int8 kernels, which carry at
+    most 16 bits; the int64 matmul takes what it does not hold (K and spread past 2**53)."""
+
+    name, family, layout, auto, min_rows, grouped = "float64-gemm", "cpu", "float64", True, 0, \
+        False
+
+    def available(self, device: torch.device) -> Fit:
+        if device.type != "cpu":
+            return no(f"it runs on the CPU, x is on {device}")
+        return yes("float64 GEMMs of integers, exact below 2**53")
+
+    def eligible(self, rows: int, weights: Weights) -> Fit:
+        spread = weights.certificate.fast_spread
+        if not dataflow.float64_gemm_holds(weights.k, weights.bits, spread):
+            return no(f"K = {weights.k} halves by folded weights of spread {spread} could pass "
+                      f"2**53 in float64")
+        return yes(f"act_bits {weights.act_bits} in two 16-bit halves, sums below 2**53")
+
+    def prepare(self, weights: Weights) -> Float64Weights:
+        return Float64Weights(weights.q(), weights.certificate.factor.cpu())
+
+    def run(self, x, weights: Weights, prepared: Float64Weights, out_format: FloatFormat):
+        if not bool(torch.isfinite(x).all()):
+            check_finite(float_bits(x), float_format(x.dtype), "x")
+        qa, e_r = quantize_rows(x, weights.act_bits)
+        t = accumulate_float64(qa, prepared)
+        e = e_r[:, None] + weights.certificate.emin[None, :]
+        return bits_to_tensor(round_scaled_array(t, e, out_format), out_format)
+
+
+FLOAT64_GEMM = _Float64Kernel()

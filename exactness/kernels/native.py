@@ -32,7 +32,7 @@ from .. import dataflow
 from ..contract import BFLOAT16, GROUP_SIZE, FloatFormat, act_qmax, float_format
 from ..formats import check_finite, float_bits, torch_dtype
 from ..quantize import quantize_activations
-from .registry import Fit, Weights, no, yes
+from .registry import Fit, Weights, int8_limbs_hold, no, refuse_unheld, yes
 
 SOURCE = Path(__file__).with_name("cpu_vnni.c")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512dq",
@@ -641,6 +641,9 @@ class _VnniKernel:
         return why
 
     def eligible(self, rows: int, weights: Weights) -> Fit:
+        held = int8_limbs_hold(weights.act_bits)
+        if not held:
+            return held
         if self.spans and not (weights.act_bits == 16 and weights.bits == 4):
             return no(f"it takes 16-bit activations and 4-bit weights, not act_bits "
                       f"{weights.act_bits} and {weights.bits}-bit weights")
@@ -680,7 +683,9 @@ class _VnniGroupedKernel(_VnniKernel):
         rows, its parts' (Weights, NativeWeights) of these widths, None for the others; routed
         row r reads row routing.token[r] of x where `gather`, else row r (x then in routing
         order already). With a `workspace` (moe.Workspace), y and the quantized x are its
-        buffers, which its next use overwrites. Raises NonFiniteError for a non-finite x."""
+        buffers, which its next use overwrites. Raises NonFiniteError for a non-finite x, and
+        KernelUnavailableError for activations wider than its limbs."""
+        refuse_unheld(self.name, act_bits)
         offsets = routing.offsets.tolist()
         active = [e for e, parts in enumerate(experts) if parts is not None]
         spans = [takes_spans(offsets[e + 1] - offsets[e], experts[e][0][0]) for e in active]

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 
 import torch
 
+from .. import dataflow
 from ..contract import ContractValueError, FloatFormat
 from ..formats import unpack_weights
 
@@ -52,6 +53,16 @@ def yes(why: str) -> Fit:
 
 def no(why: str) -> Fit:
     return Fit(False, why)
+
+
+def int8_limbs_hold(act_bits: int) -> Fit:
+    """Whether an int8 kernel holds `act_bits`-bit activations: it carries at most
+    dataflow.KERNEL_ACT_LIMBS int8 limbs of each (32 bits need four)."""
+    limbs = dataflow.act_limbs(act_bits)
+    if limbs > dataflow.KERNEL_ACT_LIMBS:
+        return no(f"act_bits {act_bits} needs {limbs} int8 limbs, it carries at most "
+                  f"{dataflow.KERNEL_ACT_LIMBS}")
+    return yes(f"act_bits {act_bits} in {limbs} int8 limb(s)")
 
 
 @dataclass(frozen=True)
@@ -113,16 +124,30 @@ def by_name(kernels, name: str) -> Kernel:
                              f"{[k.name for k in kernels]}")
 
 
-def plan_grouped(kernels, family: str, device: torch.device, forced: str | None = None) -> Plan:
+def refuse_unheld(kernel: str, act_bits: int) -> None:
+    """KernelUnavailableError where an int8 kernel is run on activations wider than its limbs
+    (a grouped kernel called directly, past plan_grouped)."""
+    held = int8_limbs_hold(act_bits)
+    if not held:
+        raise KernelUnavailableError(f"kernel {kernel!r} was run, but {held.why}")
+
+
+def plan_grouped(kernels, family: str, device: torch.device, act_bits: int,
+                 forced: str | None = None) -> Plan:
     """The grouped kernel an MoE layer's experts on `device` take (`forced`: that one, by name),
-    or KernelUnavailableError saying why none runs."""
+    or KernelUnavailableError saying why none runs. Every grouped kernel is an int8 kernel, so
+    `act_bits` must fit its limbs (int8_limbs_hold)."""
     if forced:
         kernel = by_name(kernels, forced)
         fit = kernel.available(device) if kernel.grouped else no("it is no grouped kernel")
+        fit = fit and int8_limbs_hold(act_bits)
         if not fit:
             raise KernelUnavailableError(f"kernel {forced!r} was asked for ({ENV}=), but "
                                          f"{fit.why}")
         return Plan(kernel, f"asked for by {ENV}={forced}", 0)
+    held = int8_limbs_hold(act_bits)
+    if not held:
+        raise KernelUnavailableError(f"no grouped {family} kernel holds this: {held.why}")
     passed = []
     for kernel in kernels:
         if not kernel.grouped or kernel.family != family:

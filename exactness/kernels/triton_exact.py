@@ -29,7 +29,7 @@ from .. import dataflow
 from ..contract import GROUP_SIZE, ContractValueError, FloatFormat, act_qmax, float_format
 from ..formats import check_finite, float_bits, torch_dtype
 from .cpu import int_mm_exact
-from .registry import Fit, Weights, no, yes
+from .registry import Fit, Weights, int8_limbs_hold, no, yes
 
 try:
     import triton
@@ -530,8 +530,11 @@ class _TritonKernel:
         return yes("Triton, interpreted" if device.type == "cpu" else f"Triton on {device}")
 
     def eligible(self, rows: int, weights: Weights) -> Fit:
+        held = int8_limbs_hold(weights.act_bits)
+        if not held:
+            return held
         if not self.folded:
-            return yes("any widths")
+            return yes("any weight widths")
         per_launch = rows_per_launch(weights.k, weights.n, weights.act_bits)
         blocks = {min(per_launch, rows - start) for start in range(0, rows, per_launch)}
         if not all(folded_fits(m, weights.n, weights.k) for m in blocks):

@@ -25,7 +25,7 @@ from .. import dataflow
 from ..contract import FloatFormat, float_format
 from ..formats import check_finite, float_bits, torch_dtype
 from . import triton_exact
-from .registry import Fit, Weights, yes
+from .registry import Fit, Weights, int8_limbs_hold, refuse_unheld
 from .routing import Routing, route
 from .triton_exact import _BITS, _INT, BLOCK_M, BLOCK_N, triton
 
@@ -193,7 +193,7 @@ class _TritonGroupedKernel:
         return triton_exact.GROUP.available(device)
 
     def eligible(self, rows: int, weights: Weights) -> Fit:
-        return yes("any widths")
+        return int8_limbs_hold(weights.act_bits)
 
     def prepare(self, weights: Weights) -> dict:
         return {}  # per device: weight_shape as a tensor there
@@ -219,6 +219,7 @@ class _TritonGroupedKernel:
         routed row r reads row routing.token[r] of x where `gather`, else row r. Nothing is
         read back: trouble (see grouped_launch) is for the caller to read once. (`workspace` is
         the CPU's: CUDA's caching allocator keeps its memory from one call to the next.)"""
+        refuse_unheld(self.name, act_bits)
         y, nonfinite, programs = grouped_launch(x, routing, experts, bits, act_bits, out_format,
                                                 gather)
         return y, nonfinite + programs

@@ -2,12 +2,12 @@
 
 The fast kernels' int64 combine holds rows whose scale-exponent spread is within
 dataflow.certified_spread; the certificate sends the other rows (the slow rows) here. Each group
-sum P = sum_k qa * q is an int32 (|P| <= 32 * Qa * 128 < 2**28), and the combine
-T = sum_g (P * ms) << shift is taken in Python integers, which never overflow; then the one
-rounding (formats.round_scaled). A forward runs in blocks of BLOCK_ROWS rows of x, so its memory
-is bounded whatever the batch, and its time is about that of the slow rows' own outputs. Slow
-per output but exact for every input: the layer uses it for slow rows only, and
-`kernel="wide"` runs every row through it.
+sum P = sum_k qa * q is summed in dataflow.group_sum_bits (int32, or int64 for 32-bit
+activations: |P| < 2**40), and the combine T = sum_g (P * ms) << shift is taken in Python
+integers, which never overflow; then the one rounding (formats.round_scaled). A forward runs in
+blocks of BLOCK_ROWS rows of x, so its memory is bounded whatever the batch, and its time is
+about that of the slow rows' own outputs. Slow per output but exact for every input: the layer
+uses it for slow rows only, and `kernel="wide"` runs every row through it.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from ..formats import (
 )
 from . import native
 from .activations import quantize_rows
-from .registry import Fit, Weights, yes
+from .registry import Fit, Weights, int8_limbs_hold, yes
 
 # x's rows per block, and a block's most group sums P (rows x weight rows x groups): the memory
 # a forward's slow rows take is bounded by these, whatever the batch (issue 20: a whole batch of
@@ -59,25 +59,28 @@ class WideRows:
         return sum(q.numel() + 8 * 3 * ms.numel() for q, ms, _, _ in self._rows.values())
 
 
-def combine(p: torch.Tensor, ms: torch.Tensor, shift: torch.Tensor) -> list[int]:
+def combine(p: torch.Tensor, ms: torch.Tensor, shift: torch.Tensor, per_sum: int) -> list[int]:
     """T = sum_g (P[:, g] * ms[g]) << shift[g] for one weight row, exactly, as Python ints [M']:
-    the groups of each shift summed in int64 first (|P * ms| < 2**36, so fewer than 2**27 groups
-    never reach 2**63), then one Python-int term per distinct shift."""
-    shifts, where = torch.unique(shift, return_inverse=True)
-    parts = torch.zeros((p.shape[0], shifts.numel()), dtype=torch.int64)
-    parts.index_add_(1, where, p * ms)
+    the groups of each shift summed in int64 first, `per_sum` groups at a time
+    (dataflow.wide_groups_per_sum: those never reach 2**63), then one Python-int term per
+    distinct shift and slice."""
     t = [0] * p.shape[0]
-    for s, part in zip(shifts.tolist(), parts.t().tolist(), strict=True):
-        t = [a + (b << s) for a, b in zip(t, part, strict=True)]
+    for first in range(0, p.shape[1], per_sum):
+        part_of = slice(first, first + per_sum)
+        shifts, where = torch.unique(shift[part_of], return_inverse=True)
+        parts = torch.zeros((p.shape[0], shifts.numel()), dtype=torch.int64)
+        parts.index_add_(1, where, p[:, part_of] * ms[part_of])
+        for s, part in zip(shifts.tolist(), parts.t().tolist(), strict=True):
+            t = [a + (b << s) for a, b in zip(t, part, strict=True)]
     return t
 
 
 def quantized(x: torch.Tensor, act_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(qa int32 [M, K], e_r [M]) of x [M, K] on the CPU: by the C kernel's quantization pass
-    where it runs (one pass over x: the slow rows then cost little more than their own outputs),
-    else by quantize_rows. Either raises NonFiniteError for a non-finite x."""
+    where it runs and holds act_bits (one pass over x: the slow rows then cost little more than
+    their own outputs), else by quantize_rows. Either raises NonFiniteError for a non-finite x."""
     lib = native.library()
-    if lib is None:
+    if lib is None or not int8_limbs_hold(act_bits):  # the C pass gives at most two limbs
         if not bool(torch.isfinite(x).all()):
             check_finite(float_bits(x), float_format(x.dtype), "x")  # raises: count, index
         return quantize_rows(x, act_bits)
@@ -94,17 +97,20 @@ def linear_rows(x: torch.Tensor, weights: Weights, rows: torch.Tensor | None,
     computed in blocks of at most BLOCK_ROWS rows of x."""
     q, ms, shift, emin = prepared.of(rows)
     n, groups = q.shape[0], q.shape[1]
+    sums = {32: torch.int32, 64: torch.int64}[dataflow.group_sum_bits(weights.bits,
+                                                                      weights.act_bits)]
+    per_sum = dataflow.wide_groups_per_sum(weights.bits, weights.act_bits)
     rows_of_weights = max(1, BLOCK_SUMS // (BLOCK_ROWS * groups))
     out = torch.empty((x.shape[0], n), dtype=torch.int64)
     for start in range(0, x.shape[0], BLOCK_ROWS):
         qa, e_r = quantized(x[start:start + BLOCK_ROWS].cpu(), weights.act_bits)
-        qa = qa.view(qa.shape[0], groups, GROUP_SIZE)
+        qa = qa.view(qa.shape[0], groups, GROUP_SIZE).to(sums)
         for first in range(0, n, rows_of_weights):
             block = slice(first, first + rows_of_weights)
-            # P [M', N', G]: exact in int32, every partial sum too (|P| <= 32 * Qa * 128 < 2**28)
-            p = torch.einsum("mgk,ngk->mng", qa, q[block].to(torch.int32)).to(torch.int64)
+            # P [M', N', G]: exact in `sums`, every partial sum too (proved: wide-group-sum)
+            p = torch.einsum("mgk,ngk->mng", qa, q[block].to(sums)).to(torch.int64)
             for j in range(p.shape[1]):
-                t = combine(p[:, j], ms[first + j], shift[first + j])
+                t = combine(p[:, j], ms[first + j], shift[first + j], per_sum)
                 e = (e_r + emin[first + j]).tolist()
                 out[start:start + len(t), first + j] = torch.tensor(
                     [round_scaled(v, s, out_format) for v, s in zip(t, e, strict=True)])

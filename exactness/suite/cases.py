@@ -11,7 +11,9 @@ import numpy as np
 from ..contract import FloatFormat, float_format
 from ..formats import unpack_weights
 
-VECTORS = Path(__file__).resolve().parent / "data" / "contract-v1.json"  # package data
+# package data, copied unchanged from the contract: v1 (36 cases), v1.1's act_bits = 32 (18)
+VECTOR_FILES = tuple(Path(__file__).resolve().parent / "data" / name
+                     for name in ("contract-v1.json", "contract-v1.1-a32.json"))
 
 
 @dataclass
@@ -67,10 +69,11 @@ def _hex(rows) -> np.ndarray:
     return np.array([[int(v, 16) for v in row] for row in rows], dtype=np.int64)
 
 
-def load_vectors(path: Path | str = VECTORS) -> list[LinearCase]:
-    """The contract's test vectors (computed independently of this project)."""
+def load_vectors(paths=VECTOR_FILES) -> list[LinearCase]:
+    """The contract's test vectors (computed independently of this project), every file's."""
     cases = []
-    for i, c in enumerate(json.loads(Path(path).read_text())["cases"]):
+    cases_of = (c for path in paths for c in json.loads(Path(path).read_text())["cases"])
+    for i, c in enumerate(cases_of):
         packed = _hex(c["weight_packed"]).astype(np.uint32).view(np.int32)
         cases.append(LinearCase(
             x_bits=_hex(c["x_bits"]), x_format=float_format(c["x_dtype"]),

@@ -353,6 +353,7 @@ BATCH = "tests/test_modules.py::test_batch_and_permutation_invariance"
 NON_FINITE = "tests/test_errors.py::test_layer_non_finite_x_counts[triton-group]"
 QUANTIZE_SLICES = "tests/test_modules.py::test_the_quantize_kernel_at_any_slicing_and_tile"
 SPANS_EDGE = "tests/test_modules.py::test_span_kernel_at_the_int32_edge"
+LIMBS_32 = "tests/test_proofs.py::test_activation_limbs_recombine_at_every_width[32]"
 SPANS_CHAIN = "tests/test_modules.py::test_span_bounds_attacked_one_chain_at_a_time"
 GROUPED_KERNEL = "exactness.kernels.triton_grouped:grouped_kernel"
 
@@ -437,7 +438,8 @@ CATALOGUE = (
     Mutant("kernel-int4-word-stride-hard-coded", KERNEL,
            "(g * W_BITS + offs_w)", "(g * 4 + offs_w)",
            "a group's word offset hard-coded for int4: 8-bit weights read from the wrong words",
-           (TRITON,)),  # weak: the equivalence property is the one 8-bit Triton check
+           ("tests/test_modules.py::test_the_triton_kernels_at_8_bit_weights[triton-group]",
+            TRITON)),
     # --- accumulators
     Mutant("kernel-int32-combine", "exactness.kernels.triton_exact:group_constants",
            "COMBINE_ACC=_INT[dataflow.COMBINE_ACC_BITS]", "COMBINE_ACC=_INT[32]",
@@ -446,6 +448,23 @@ CATALOGUE = (
     Mutant("cpu-limb-shift-dropped", "exactness.kernels.cpu:accumulate",
            "<< (dataflow.LIMB_BITS * (i + j))", "<< (dataflow.LIMB_BITS * i)",
            "a limb's place value lost when combining int8 GEMMs", (GEMM, GEMM_VECTORS)),
+    Mutant("wide-int32-group-sum", "exactness.kernels.wide:linear_rows",
+           "{32: torch.int32, 64: torch.int64}", "{32: torch.int32, 64: torch.int32}",
+           "an int32 group sum where 32-bit activations need int64",
+           (equivalence("wide"), vectors("wide"))),
+    Mutant("float64-half-place-value-lost", "exactness.kernels.cpu:accumulate_float64",
+           "(parts[0] << dataflow.HALF_BITS)", "parts[0]",
+           "the high half's place value lost when recombining the float64 GEMMs",
+           (equivalence("float64-gemm"), vectors("float64-gemm"))),
+    Mutant("act-limb-dropped", "exactness.dataflow:act_limbs",
+           "return -(-act_qmax(act_bits).bit_length() // LIMB_BITS)",
+           "return min(3, -(-act_qmax(act_bits).bit_length() // LIMB_BITS))",
+           "32-bit activations split into one limb too few",
+           (LIMBS_32, "tests/test_proofs.py::test_the_limb_split_is_proved_at_every_width[32]")),
+    Mutant("act-limb-place-value-off-by-one", "exactness.dataflow:limb_offset",
+           "2 ** (LIMB_BITS * (limbs - 1))", "2 ** (LIMB_BITS * (limbs - 1) - 1)",
+           "a limb's place value off by one bit in the offset that centres the limbs",
+           (LIMBS_32, GEMM)),
     Mutant("limb-saturates", "exactness.dataflow:int8_digits",
            "low = ((rest + 128) & 255) - 128", "low = rest.clamp(-128, 127)",
            "saturating instead of splitting into limbs", (GEMM, equivalence("int64-matmul"))),

@@ -18,7 +18,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from ..contract import BFLOAT16
+from ..contract import BFLOAT16, GROUP_SIZE
 from ..formats import bits_to_tensor, tensor_to_bits, torch_dtype
 from ..kernels import REGISTRY, triton_exact
 from ..kernels.registry import by_name
@@ -92,8 +92,10 @@ def require(path: str) -> None:
 
 
 def available_paths(case: LinearCase | None = None) -> list[str]:
-    """The paths that run here; with `case`, only the kernels that hold its inputs."""
-    paths = ["oracle", "reference", *(b for b in BACKENDS if device_of(b) is not None)]
+    """The paths that run here; with `case`, only the backends and kernels that hold its inputs
+    (a backend none of whose kernels does raises KernelUnavailableError: tests check that)."""
+    paths = ["oracle", "reference", *(b for b in BACKENDS if device_of(b) is not None
+                                      and (case is None or backend_holds(case, b)))]
     weights = None if case is None else layer_for(case, "cpu").weights()
     for kernel in REGISTRY:
         device = device_of(kernel.name)
@@ -103,6 +105,35 @@ def available_paths(case: LinearCase | None = None) -> list[str]:
             continue
         paths.append(kernel.name)
     return paths
+
+
+def backend_holds(case: LinearCase, backend: str) -> bool:
+    """Whether some kernel of `backend` holds `case` here (its layer's plan)."""
+    from ..kernels import KernelUnavailableError
+
+    device = device_of(backend)
+    x = torch.zeros(case.shape[:2], dtype=torch_dtype(case.x_format), device=device)
+    try:
+        layer_for(case, backend, device).plan(x)
+    except KernelUnavailableError:
+        return False
+    return True
+
+
+def held_act_bits(path: str) -> tuple[int, ...]:
+    """The activation widths `path` holds: every one, but a kernel's own `eligible` may refuse
+    some (the int8 kernels: 32 bits)."""
+    from ..contract import ACT_BITS
+    from ..modules import ExactLinear
+
+    if path not in PATHS or path in ("oracle", "reference", "cpu"):
+        return ACT_BITS
+    if path == "triton":
+        return tuple(a for a in ACT_BITS if triton_exact.GROUP.eligible(
+            1, ExactLinear(GROUP_SIZE, 1, a).weights()))
+    kernel = by_name(REGISTRY, path)
+    return tuple(a for a in ACT_BITS
+                 if kernel.eligible(1, ExactLinear(GROUP_SIZE, 1, a).weights()))
 
 
 def grouped_paths() -> list[str]:

@@ -10,6 +10,7 @@ Definitions (t = truth, y = a path's output, over all rows and outputs with t !=
 - rel: |y - t| / |t|, mean and max;
 - ulp: |y - t| in units of the output format's ulp at t (so 0.5 is a correctly rounded output);
 - norm: ||y - t||_2 / ||t||_2 over the whole output;
+- rounded: the share of outputs that are RNE(t) bit for bit (correctly rounded);
 - ratio: the bf16 path's error / the path's error, per metric.
 """
 
@@ -108,7 +109,7 @@ def outputs(x: torch.Tensor, layer: PackedInt4Linear) -> dict[str, torch.Tensor]
     w_bf16, w_fp32 = dequantized(layer, torch.bfloat16), dequantized(layer, torch.float32)
     out = {"bf16 (dequantize, bf16 matmul)": x @ w_bf16.t(),
            "fp32 (dequantize, fp32 matmul)": x.float() @ w_fp32.t()}
-    for act_bits in (4, 8, 16):
+    for act_bits in (4, 8, 16, 32):
         layer.act_bits = act_bits  # (the layer derives its data again for the new width)
         for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
             layer.out_dtype = dtype
@@ -137,6 +138,7 @@ class Errors:
     ulp_mean: float
     ulp_max: float
     norm: float
+    rounded: float  # share of outputs correctly rounded
     rel: np.ndarray  # all relative errors, for the plot
 
 
@@ -152,15 +154,20 @@ def errors(y: torch.Tensor, truth: tuple, fmt: FloatFormat) -> Errors:
     ulp = np.exp2(np.maximum(exp, 1 - fmt.bias) - fmt.mant_bits)
     return Errors(float(rel.mean()), float(rel.max()), float((diff[nz] / ulp).mean()),
                   float((diff[nz] / ulp).max()), float(np.linalg.norm(yv - t) / np.linalg.norm(t)),
-                  rel)
+                  float(rounded_bits(y, truth, fmt).mean()), rel)
+
+
+def rounded_bits(y: torch.Tensor, truth: tuple, fmt: FloatFormat) -> np.ndarray:
+    """Per output: whether y is RNE of the exact truth, bit for bit."""
+    t_int, t_exp = truth
+    want = [[round_scaled(v, int(e), fmt) for v, e in zip(row, erow, strict=True)]
+            for row, erow in zip(t_int, t_exp, strict=True)]
+    return tensor_to_bits(y) == np.array(want)
 
 
 def correctly_rounded(y: torch.Tensor, truth: tuple, fmt: FloatFormat) -> bool:
     """y is RNE of the exact truth, bit for bit (the exact path's promise)."""
-    t_int, t_exp = truth
-    want = [[round_scaled(v, int(e), fmt) for v, e in zip(row, erow, strict=True)]
-            for row, erow in zip(t_int, t_exp, strict=True)]
-    return bool((tensor_to_bits(y) == np.array(want)).all())
+    return bool(rounded_bits(y, truth, fmt).all())
 
 
 # --------------------------------------------------------------------------- the report
@@ -220,13 +227,14 @@ def render(rows, cost, nbytes, args, seconds) -> str:
              f"{args.tokens} tokens each. Ground truth: the exact rational product of the bf16 "
              "input and q * scale, in integers (exactness/precision.py).", "",
              "Definitions: rel = |y - t| / |t| (mean, max); ulp = |y - t| in ulps of the output "
-             "format at t; norm = ||y - t|| / ||t||; ratio = bf16 path's error / this path's.", "",
+             "format at t; norm = ||y - t|| / ||t||; rounded = the share of outputs that are the "
+             "correctly rounded truth, bit for bit; ratio = bf16 path's error / this path's.", "",
              "| shape | activations | path | rel mean | rel max | ulp mean | ulp max | norm | "
-             "ratio rel mean | ratio norm |", "| --- " * 10 + "|"]
+             "rounded | ratio rel mean | ratio norm |", "| --- " * 11 + "|"]
     for shape, dist, path, e, base in rows:
         lines.append(f"| {shape} | {dist} | {path} | {e.rel_mean:.3g} | {e.rel_max:.3g} | "
-                     f"{e.ulp_mean:.3g} | {e.ulp_max:.3g} | {e.norm:.3g} | "
-                     f"{base.rel_mean / e.rel_mean:.3g} | {base.norm / e.norm:.3g} |")
+                     f"{e.ulp_mean:.3g} | {e.ulp_max:.3g} | {e.norm:.3g} | {e.rounded:.1%} | "
+                     f"{_ratio(base.rel_mean, e.rel_mean)} | {_ratio(base.norm, e.norm)} |")
     near = [(abs(math.log(b.norm / e.norm / 950)), f"{path} ({shape}, {dist}): norm ratio "
              f"{b.norm / e.norm:.0f}") for shape, dist, path, e, b in rows if e.norm > 0] + [
         (abs(math.log(b.rel_mean / e.rel_mean / 950)), f"{path} ({shape}, {dist}): rel-mean "
@@ -247,6 +255,11 @@ def render(rows, cost, nbytes, args, seconds) -> str:
     lines += [f"| {name} | {b:.4g} |" for name, b in nbytes]
     lines += ["", "![error distributions](precision.png)", ""]
     return "\n".join(lines)
+
+
+def _ratio(base: float, error: float) -> str:
+    """bf16's error over a path's: "exact" where the path has none at all."""
+    return f"{base / error:.3g}" if error else "no error"
 
 
 def plot(all_rel: dict, file: Path) -> None:

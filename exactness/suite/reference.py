@@ -165,7 +165,7 @@ def reference_linear(x_bits, x_format, weight_packed, scale_bits, *, act_bits: i
 
 
 def group_dots(qa_row: np.ndarray, qw: np.ndarray) -> np.ndarray:
-    """P[n, g] = sum_{k in g} qa[k] * q[n, k] for one row, in int64 (|P| < 2**24)."""
+    """P[n, g] = sum_{k in g} qa[k] * q[n, k] for one row, in int64 (|P| < 2**44)."""
     return np.einsum("ngk,gk->ng", qw, qa_row.reshape(-1, GROUP_SIZE))
 
 

@@ -25,7 +25,12 @@ def wrap(v, bits: int):
 def simulate(case: LinearCase, dot_bits: int | None = None,
              combine_bits: int | None = None) -> np.ndarray:
     """Output bits of `case` through limbs -> group dots -> combine -> one rounding, wrapping at
-    `dot_bits` / `combine_bits` (default: dataflow's). Exact Python integers in between."""
+    `dot_bits` / `combine_bits` (default: dataflow's). Exact Python integers in between. It is
+    the int8 kernels' dataflow: activations in more limbs than they carry raise ValueError."""
+    if dataflow.act_limbs(case.act_bits) > dataflow.KERNEL_ACT_LIMBS:
+        raise ValueError(f"act_bits {case.act_bits}: no int8 kernel carries its "
+                         f"{dataflow.act_limbs(case.act_bits)} limbs, so there is no such "
+                         f"dataflow to simulate")
     dot_bits = dot_bits or dataflow.DOT_ACC_BITS
     combine_bits = combine_bits or dataflow.COMBINE_ACC_BITS
     qa, e_r = quantize_activations(case.x_bits, case.x_format, case.act_bits)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
+from .. import dataflow
 from ..contract import (
     ACT_BITS,
     BFLOAT16,
@@ -33,6 +34,9 @@ KIMI_DENSE_K = 18432
 seeds = st.integers(0, 2**32 - 1)
 formats = st.sampled_from([FORMATS["bfloat16"], FORMATS["float16"], FORMATS["float32"]])
 act_bits = st.sampled_from(ACT_BITS)
+# the widths the int8 kernels (C, Triton, int8 GEMMs) hold: 32 bits needs more limbs than they carry
+INT8_KERNEL_ACT_BITS = tuple(a for a in ACT_BITS
+                             if dataflow.act_limbs(a) <= dataflow.KERNEL_ACT_LIMBS)
 weight_bits = st.sampled_from(WEIGHT_BITS)
 
 
@@ -162,7 +166,8 @@ ACT_KINDS = ("normal", "ties", "subnormal", "zeros", "extreme", "wide")
 def _tie_row(rng, k: int, fmt: FloatFormat, qmax: int) -> np.ndarray:
     """A row whose smaller elements are exact ties of x / 2**e_r (odd multiples of 2**(e_r-1))."""
     e_hi = min(fmt.bias - qmax.bit_length(), 10)  # Qa * 2**e_r stays finite
-    e_r = int(rng.integers(max(fmt.quantum_min + 1, -10), e_hi + 1))
+    e_r = int(rng.integers(max(fmt.quantum_min + 1, min(-10, e_hi)), e_hi + 1))  # fp16, 32 bits:
+    # e_r <= -16, and the ties' 2**(e_r - 1) stays a subnormal fp16
     s = max(0, qmax.bit_length() - fmt.precision)  # amax must be exact in fmt ...
     top = (int(rng.integers(qmax // 2 + 2**s + 1, qmax + 1)) >> s) << s  # ... and in (Qa/2, Qa]
     odd = 2 * rng.integers(0, min(qmax, 2 ** (fmt.precision - 1)) // 2, k) + 1
@@ -211,14 +216,22 @@ def activation_bits(draw, rows: int, k: int, fmt: FloatFormat, act_bits: int = 1
 # --------------------------------------------------------------------------- whole cases
 
 
+def width(act_bits_) -> st.SearchStrategy[int]:
+    """An activation width: `act_bits_` itself, one of a tuple of widths, or any (None)."""
+    if act_bits_ is None:
+        return act_bits
+    return st.sampled_from(act_bits_) if isinstance(act_bits_, tuple) else st.just(act_bits_)
+
+
 @st.composite
 def linear_cases(draw, max_k: int = 256, max_n: int = 8, max_rows: int = 4, kimi: bool = False,
                  w_bits=None, act_bits_=None, x_format=None, out_format=None,
                  min_k: int = GROUP_SIZE):
-    """A whole contract input; each argument left None is drawn."""
+    """A whole contract input; each argument left None is drawn (act_bits_: a width, or a
+    tuple of widths to draw from)."""
     rows, k, n = draw(shapes(max_k, max_n, max_rows, kimi, min_k))
     wb = w_bits if w_bits is not None else draw(st.sampled_from((4, 4, 4, 8)))
-    ab = act_bits_ if act_bits_ is not None else draw(act_bits)
+    ab = draw(width(act_bits_))
     xf = float_format(x_format) if x_format else draw(formats)
     of = float_format(out_format) if out_format else draw(
         st.sampled_from([xf, FORMATS["float32"], FORMATS["bfloat16"], FORMATS["float16"]]))
@@ -316,7 +329,7 @@ def routed_cases(draw, max_k: int = 128, max_n: int = 24, max_experts: int = 5,
     parts = draw(st.integers(1, 2))
     rows, k, n = draw(shapes(max_k, max_n, max_rows))
     n *= parts
-    ab = act_bits_ if act_bits_ is not None else draw(act_bits)
+    ab = draw(width(act_bits_))
     xf = float_format(x_format) if x_format else draw(formats)
     of = float_format(out_format) if out_format else draw(
         st.sampled_from([xf, FORMATS["float32"], FORMATS["bfloat16"], FORMATS["float16"]]))
@@ -331,7 +344,7 @@ MOE_ACT_KINDS = ("unit", "unit", "unit", "wide-rows")  # mostly |x| about 1: non
 
 @st.composite
 def moe_cases(draw, max_experts: int = 4, max_tokens: int = 8, max_hidden: int = 96,
-              max_inter: int = 64):
+              max_inter: int = 64, act_bits_=None):
     """An MoE layer's routed experts, an input and its routing (cases.MoECase). The edge cases
     of one projection are linear_cases' and routed_cases': here the inputs are mostly of
     magnitude about 1 (or a row spread wide), with scales about 2**-6, so that both projections
@@ -343,7 +356,7 @@ def moe_cases(draw, max_experts: int = 4, max_tokens: int = 8, max_hidden: int =
     tokens = draw(st.integers(1, max_tokens))
     hidden = GROUP_SIZE * draw(st.integers(1, max_hidden // GROUP_SIZE))
     inter = GROUP_SIZE * draw(st.integers(1, max_inter // GROUP_SIZE))
-    ab = draw(act_bits)
+    ab = draw(width(act_bits_))
     xf = draw(formats)
     rng = np.random.default_rng(draw(seeds))
     x = _random_floats(rng, (tokens, hidden), xf, xf.bias - 3, xf.bias + 2)

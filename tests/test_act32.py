@@ -1,0 +1,173 @@
+"""32-bit activations (contract v1.1): the correctly rounded product where a row quantizes
+losslessly, on every path that holds them, and a typed refusal from every kernel that does not."""
+
+import math
+import warnings
+from fractions import Fraction
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from exactness import ExactLinear
+from exactness.contract import BFLOAT16, FORMATS
+from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits, torch_dtype
+from exactness.kernels import REGISTRY, KernelUnavailableError
+from exactness.kernels.native import FallbackWarning
+from exactness.kernels.routing import route
+from exactness.moe import projection
+from exactness.suite.cases import LinearCase
+from exactness.suite.counterexamples import check_bits
+from exactness.suite.paths import available_paths, held_act_bits, layer_for, run
+from exactness.suite.reference import quantize_activations
+from exactness.suite.strategies import activation_bits, int_weights, scale_bits
+
+pytestmark = pytest.mark.stage("equivalence")  # make verify's stage
+
+
+def true_product_bits(case: LinearCase) -> np.ndarray:
+    """RNE(sum_k x * s * q) in the output format, computed apart from the project's code: x and
+    the scales decoded by torch into float64 (exact for all three formats), the sum in
+    Fractions, the rounding by Python's half-to-even round() onto the output's grid."""
+    fmt = case.out_format
+    x = bits_to_tensor(case.x_bits, case.x_format).double().tolist()
+    s = bits_to_tensor(case.scale_bits, BFLOAT16).double().tolist()
+    out = np.zeros((len(x), case.q.shape[0]), np.int64)
+    for r, row in enumerate(x):
+        for n, q_n in enumerate(case.q.tolist()):
+            y = sum(Fraction(row[k]) * Fraction(s[n][k // 32]) * q_n[k] for k in range(len(row)))
+            if y == 0:
+                continue  # +0.0
+            e = y.numerator.bit_length() - y.denominator.bit_length()  # 2**e <= |y| < 2**(e+2)
+            e -= abs(y) < Fraction(2) ** e
+            quantum = max(e - fmt.mant_bits, fmt.quantum_min)
+            value = round(y / Fraction(2) ** quantum) * Fraction(2) ** quantum  # -0.0 below
+            exact = torch.tensor(math.copysign(float(value), y), dtype=torch.float64)
+            out[r, n] = int(tensor_to_bits(exact.to(torch_dtype(fmt)).reshape(1))[0])
+    return out
+
+
+def lossless_rows(case: LinearCase) -> np.ndarray:
+    """The rows whose every element is qa * 2**e_r exactly (nothing rounded by quantizing)."""
+    qa, e_r = quantize_activations(case.x_bits, case.x_format, case.act_bits)
+    x = bits_to_tensor(case.x_bits, case.x_format).double().numpy()
+    back = np.array([[float(Fraction(int(v)) * Fraction(2) ** int(e)) for v in row]
+                     for row, e in zip(qa, e_r, strict=True)])
+    return np.flatnonzero((back == x).all(axis=1) & (x != 0).any(axis=1))
+
+
+@st.composite
+def lossless_cases(draw):
+    """32-bit activations of moderate range ("normal": exponents within 2**8 of a centre), so
+    most rows quantize losslessly; any output format, random weights and scales."""
+    x_format = draw(st.sampled_from([FORMATS["bfloat16"], FORMATS["float16"], FORMATS["float32"]]))
+    rows, k, n = draw(st.integers(1, 4)), draw(st.sampled_from((32, 64, 96))), draw(
+        st.integers(1, 4))
+    q = draw(int_weights(n, k, 4))
+    return LinearCase(draw(activation_bits(rows, k, x_format, 32, kind="normal")), x_format, q,
+                      pack_weights(q, 4), draw(scale_bits(n, k // 32)), 32,
+                      draw(st.sampled_from(list(FORMATS.values()))), 4)
+
+
+@given(lossless_cases())
+def test_a_lossless_row_gives_the_correctly_rounded_true_product(case):
+    """v1.1's promise: where quantizing x loses nothing, y is RNE of the true product, on every
+    path that holds 32-bit activations."""
+    rows = lossless_rows(case)
+    assume(rows.size)
+    want = true_product_bits(case)[rows]
+    for path in available_paths(case):
+        check_bits(case, path, run(case, path)[rows], want)
+
+
+def test_the_true_product_check_can_fail():
+    """At 16 bits a wide bf16 row loses bits, and the true product then differs somewhere."""
+    x = np.array([[0x4700] + [0x3F81] * 31], np.int64)  # 32768 and 31 values 1 + 2**-7
+    q = np.ones((1, 32), np.int64)
+    case = LinearCase(x, BFLOAT16, q, pack_weights(q, 4), np.array([[0x3F80]]), 16, FORMATS[
+        "float32"], 4)
+    assert lossless_rows(case).size == 0
+    assert (run(case, "reference") != true_product_bits(case)).any()
+    case.act_bits = 32
+    assert lossless_rows(case).tolist() == [0]
+    assert (run(case, "reference") == true_product_bits(case)).all()
+
+
+@pytest.mark.parametrize("kernel", [k.name for k in REGISTRY])
+def test_a_kernel_holds_32_bits_or_refuses_them_by_name(kernel):
+    """Every kernel either holds act_bits = 32 (then it reproduces a 32-bit vector) or says
+    through the registry that it cannot, naming the limbs: never other bits."""
+    layer = ExactLinear.from_weight(torch.randn(8, 64), act_bits=32, kernel=kernel)
+    fit = next(k for k in REGISTRY if k.name == kernel).eligible(1, layer.weights())
+    assert (32 in held_act_bits(kernel)) == fit.ok
+    if not fit.ok:
+        assert "needs 4 int8 limbs" in fit.why
+        with pytest.raises(KernelUnavailableError, match="needs 4 int8 limbs"):
+            layer(torch.randn(2, 64))
+    else:
+        assert kernel in ("float64-gemm", "int64-matmul", "wide")
+
+
+def test_the_cpu_plan_at_32_bits_says_why_it_passed_the_int8_kernels():
+    layer = ExactLinear.from_weight(torch.randn(8, 64), act_bits=32)
+    plan = layer.plan(torch.randn(3, 64))
+    assert plan.kernel.name == "float64-gemm"
+    assert all("needs 4 int8 limbs" in why for name, why in plan.passed_over
+               if name in ("vnni-limbs", "int8-gemm"))
+
+
+@pytest.mark.skipif("triton" not in available_paths(), reason="Triton needs a GPU or "
+                    "TRITON_INTERPRET=1")
+def test_the_triton_backend_refuses_32_bits_with_the_reason():
+    layer = ExactLinear.from_weight(torch.randn(8, 64), act_bits=32, backend="triton")
+    with pytest.raises(KernelUnavailableError, match="needs 4 int8 limbs"):
+        layer(torch.randn(2, 64))
+
+
+def test_an_moe_projection_at_32_bits_runs_expert_by_expert_and_says_why():
+    """No grouped kernel holds 32-bit activations: the projection warns once and runs each
+    expert's layer (float64-gemm), with the reference's bits."""
+    torch.manual_seed(0)
+    layers = [[ExactLinear.from_weight(torch.randn(16, 64), act_bits=32)] for _ in range(3)]
+    x = torch.randn(5, 64).bfloat16()
+    ids = torch.tensor([[0, 2], [1, 0], [2, 3], [3, 1], [0, 1]])  # 3: no expert
+    routing = route(ids, 3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = projection(layers, x, routing, gather=True)
+    assert any(issubclass(w.category, FallbackWarning) and "needs 4 int8 limbs" in str(w.message)
+               for w in caught)
+    pairs = routing.pair[:int(routing.routed)].tolist()
+    for row, pair in enumerate(pairs):
+        t, slot = divmod(pair, 2)
+        want = layers[int(ids[t, slot])][0](x[t:t + 1])
+        assert torch.equal(tensor_to_bits_t(y[row:row + 1]), tensor_to_bits_t(want))
+
+
+def tensor_to_bits_t(t: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(tensor_to_bits(t))
+
+
+def test_a_32_bit_layer_equals_the_reference_at_a_full_kimi_size():
+    """7168 -> 2048 is test_full_kimi_sizes[cpu-32]; here the dense MLP's 18432 input."""
+    rng = np.random.default_rng(5)
+    q = rng.integers(-8, 8, (4, 18432))
+    q[:, :32] = -8
+    x = rng.standard_normal((2, 18432)).astype(np.float32)
+    case = LinearCase(tensor_to_bits(torch.from_numpy(x).bfloat16()), BFLOAT16, q,
+                      pack_weights(q, 4), np.full((4, 576), 0x3C00 + 3, np.int64), 32, BFLOAT16)
+    layer = layer_for(case, "cpu")
+    check_bits(case, "cpu", tensor_to_bits(layer(bits_to_tensor(case.x_bits, BFLOAT16))),
+               run(case, "reference"))
+
+
+@pytest.mark.parametrize("kernel", [k.name for k in REGISTRY if k.grouped])
+def test_a_grouped_kernel_run_directly_refuses_32_bits(kernel):
+    """Past the plan (moe.projection(kernel=...)), a grouped kernel still refuses what it does
+    not hold, rather than computing other bits."""
+    grouped = next(k for k in REGISTRY if k.name == kernel)
+    routing = route(torch.zeros((2, 1), dtype=torch.int64), 1)
+    with pytest.raises(KernelUnavailableError, match="needs 4 int8 limbs"):
+        grouped.run_grouped(torch.randn(2, 64), routing, [None], 4, 32, BFLOAT16, True)
