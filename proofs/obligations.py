@@ -108,15 +108,21 @@ def accumulate_step(name: str, claim: str, acc_bits: int, steps: int, term_bound
     return Obligation(name, claim, build, acc_bits=acc_bits, **meta)
 
 
-def product_term(a_lo: int, a_hi: int, w_bits: int):
-    """a * w with a in [a_lo, a_hi] (an int8 limb or an activation) and w a `w_bits` weight."""
+def bounded_product(a: tuple[str, int, int], b: tuple[str, int, int]):
+    """A term for accumulate_step: the product of two named variables, each in [lo, hi]."""
 
     def make():
-        a, a_ok = signed_var("a", a_lo, a_hi)
-        w, w_ok = signed_var("w", -(2 ** (w_bits - 1)), 2 ** (w_bits - 1) - 1)
-        return product(a, w), z3.And(a_ok, w_ok), z3.BoolVal(True), {"a": a, "w": w}
+        (a_name, a_lo, a_hi), (b_name, b_lo, b_hi) = a, b
+        x, x_ok = signed_var(a_name, a_lo, a_hi)
+        y, y_ok = signed_var(b_name, b_lo, b_hi)
+        return product(x, y), z3.And(x_ok, y_ok), z3.BoolVal(True), {a_name: x, b_name: y}
 
     return make
+
+
+def product_term(a_lo: int, a_hi: int, w_bits: int):
+    """a * w with a in [a_lo, a_hi] (an int8 limb or an activation) and w a `w_bits` weight."""
+    return bounded_product(("a", a_lo, a_hi), ("w", -(2 ** (w_bits - 1)), 2 ** (w_bits - 1) - 1))
 
 
 # --------------------------------------------------------------------------- the catalogue
@@ -387,15 +393,10 @@ def wide_combine(w_bits: int, a_bits: int, k: int) -> Obligation:
     mant = 2**dataflow.SCALE_MANT_BITS - 1
     steps = min(dataflow.wide_groups_per_sum(w_bits, a_bits), k // GROUP_SIZE)
     bits = dataflow.COMBINE_ACC_BITS
-
-    def make():
-        p, p_ok = signed_var("P", -pmax, pmax)
-        ms, ms_ok = signed_var("ms", -mant, mant)
-        return product(p, ms), z3.And(p_ok, ms_ok), z3.BoolVal(True), {"P": p, "ms": ms}
-
     return accumulate_step(
         f"wide-combine-w{w_bits}-a{a_bits}-k{k}", f"{steps} groups' P * ms in int{bits}",
-        bits, steps, mant * pmax, make, w_bits=w_bits, a_bits=a_bits, k=k)
+        bits, steps, mant * pmax, bounded_product(("P", -pmax, pmax), ("ms", -mant, mant)),
+        w_bits=w_bits, a_bits=a_bits, k=k)
 
 
 def cpu_int64_matmul(w_bits: int, a_bits: int, k: int, spread: int) -> Obligation:
@@ -404,16 +405,11 @@ def cpu_int64_matmul(w_bits: int, a_bits: int, k: int, spread: int) -> Obligatio
     qmax = act_qmax(a_bits)
     fold_max = dataflow.folded_weight_max(w_bits, spread)
     bits = dataflow.COMBINE_ACC_BITS
-
-    def make():
-        a, a_ok = signed_var("qa", -qmax, qmax)
-        w, w_ok = signed_var("wf", -fold_max, fold_max)
-        return product(a, w), z3.And(a_ok, w_ok), z3.BoolVal(True), {"qa": a, "wf": w}
-
     return accumulate_step(
         f"cpu-int64-matmul-w{w_bits}-a{a_bits}-k{k}",
         f"qa @ folded weights over K={k} in int{bits}, spread <= {spread}", bits, k,
-        qmax * fold_max, make, w_bits=w_bits, a_bits=a_bits, k=k, spread=spread)
+        qmax * fold_max, bounded_product(("qa", -qmax, qmax), ("wf", -fold_max, fold_max)),
+        w_bits=w_bits, a_bits=a_bits, k=k, spread=spread)
 
 
 def cpu_float64_gemm(w_bits: int, a_bits: int, k: int, spread: int) -> Obligation:
@@ -423,16 +419,12 @@ def cpu_float64_gemm(w_bits: int, a_bits: int, k: int, spread: int) -> Obligatio
     fold_max = dataflow.folded_weight_max(w_bits, spread)
     half = 2**dataflow.HALF_BITS
     bits = dataflow.FLOAT64_EXACT_BITS
-
-    def make():
-        h, h_ok = signed_var("half", -half // 2, half - 1)
-        w, w_ok = signed_var("wf", -fold_max, fold_max)
-        return product(h, w), z3.And(h_ok, w_ok), z3.BoolVal(True), {"half": h, "wf": w}
-
     return accumulate_step(
         f"cpu-float64-gemm-w{w_bits}-a{a_bits}-k{k}",
         f"halves @ folded weights over K={k} within 2**53 (float64-exact), spread <= {spread}",
-        bits, k, half * fold_max, make, w_bits=w_bits, a_bits=a_bits, k=k, spread=spread)
+        bits, k, half * fold_max,
+        bounded_product(("half", -half // 2, half - 1), ("wf", -fold_max, fold_max)),
+        w_bits=w_bits, a_bits=a_bits, k=k, spread=spread)
 
 
 def cpu_float64_recombine(w_bits: int, a_bits: int, k: int, spread: int) -> Obligation:

@@ -59,6 +59,17 @@ def int_mm_exact(device: str = "cpu") -> bool:
         return False
 
 
+def forward(x: torch.Tensor, weights: Weights, out_format: FloatFormat, accumulate_t):
+    """The CPU kernels' forward around their T: x checked finite and quantized in float64
+    (quantize_rows), T = accumulate_t(qa) [M, N] int64, then the one rounding by formats."""
+    if not bool(torch.isfinite(x).all()):
+        check_finite(float_bits(x), float_format(x.dtype), "x")
+    qa, e_r = quantize_rows(x, weights.act_bits)
+    t = accumulate_t(qa)
+    e = e_r[:, None] + weights.certificate.emin[None, :]
+    return bits_to_tensor(round_scaled_array(t, e, out_format), out_format)
+
+
 def accumulate(limbs: torch.Tensor, folded: FoldedWeights) -> torch.Tensor:
     """T [M, N] int64 from activation limbs [L, M, K] int8."""
     m, k = limbs.shape[1:]
@@ -108,15 +119,10 @@ class _GemmKernel:
         return FoldedWeights(weights.q(), weights.certificate.factor.cpu())
 
     def run(self, x, weights: Weights, prepared: FoldedWeights, out_format: FloatFormat):
-        if not bool(torch.isfinite(x).all()):
-            check_finite(float_bits(x), float_format(x.dtype), "x")
-        qa, e_r = quantize_rows(x, weights.act_bits)
         if self.int8:
-            t = accumulate(dataflow.activation_limbs(qa, weights.act_bits), prepared)
-        else:
-            t = accumulate_int64(qa, prepared)
-        e = e_r[:, None] + weights.certificate.emin[None, :]
-        return bits_to_tensor(round_scaled_array(t, e, out_format), out_format)
+            return forward(x, weights, out_format, lambda qa: accumulate(
+                dataflow.activation_limbs(qa, weights.act_bits), prepared))
+        return forward(x, weights, out_format, lambda qa: accumulate_int64(qa, prepared))
 
 
 INT8_GEMM = _GemmKernel("int8-gemm", int8=True)
@@ -172,12 +178,7 @@ class _Float64Kernel:
         return Float64Weights(weights.q(), weights.certificate.factor.cpu())
 
     def run(self, x, weights: Weights, prepared: Float64Weights, out_format: FloatFormat):
-        if not bool(torch.isfinite(x).all()):
-            check_finite(float_bits(x), float_format(x.dtype), "x")
-        qa, e_r = quantize_rows(x, weights.act_bits)
-        t = accumulate_float64(qa, prepared)
-        e = e_r[:, None] + weights.certificate.emin[None, :]
-        return bits_to_tensor(round_scaled_array(t, e, out_format), out_format)
+        return forward(x, weights, out_format, lambda qa: accumulate_float64(qa, prepared))
 
 
 FLOAT64_GEMM = _Float64Kernel()

@@ -494,7 +494,7 @@ CATALOGUE = (
            "round on the guard bit alone: every value past half an ulp is treated as a tie",
            (AGREEMENT, "tests/test_formats.py::test_round_array_matches_scalar_near_ties",
             VECTORS), every_killer=True),
-    Mutant("double-rounding-through-fp32", "exactness.kernels.cpu:_GemmKernel.run",
+    Mutant("double-rounding-through-fp32", "exactness.kernels.cpu:forward",
            "return bits_to_tensor(round_scaled_array(t, e, out_format), out_format)",
            "return torch.ldexp(t.double(), e.double()).float().to(x.dtype)",
            "the exact integer rounded to fp32, then to bf16 (Marlin epilogue, OpenVINO)",
@@ -511,7 +511,7 @@ CATALOGUE = (
            "return torch.round(scaled / 2).to(torch.int32), e_r + 1",
            "activation scale exponent one too large: a bit of precision lost",
            (GEMM, GEMM_VECTORS)),
-    Mutant("negative-zero-for-exact-zero", "exactness.kernels.cpu:_GemmKernel.run",
+    Mutant("negative-zero-for-exact-zero", "exactness.kernels.cpu:forward",
            "return bits_to_tensor(round_scaled_array(t, e, out_format), out_format)",
            "return bits_to_tensor(torch.where(t == 0, out_format.sign_bit, "
            "round_scaled_array(t, e, out_format)), out_format)",
