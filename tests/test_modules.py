@@ -775,3 +775,30 @@ def test_the_certificate_summary_counts_each_kind_of_row():
                            "weight_shape": layer.weight_shape})
     assert layer.certificate.summary() == {"rows": 3, "fast_rows": 2, "slow_rows": 1,
                                            "max_spread": 100, "spread_limit": 12}
+
+
+@pytest.mark.parametrize("backend", ["cpu", "triton"])
+def test_process_weights_after_loading_prepares_what_the_forwards_take(backend):
+    """vLLM's hook derives, ahead of the first forward, the layouts of the kernels that 1 and
+    128 rows take on this backend (no other family's), and the forwards then derive nothing."""
+    if backend not in LAYER_PATHS:
+        require(backend)
+    layer = ExactLinear.from_weight(torch.randn(16, 64), backend=backend)
+    layer.process_weights_after_loading()
+    derived = layer._derived
+    taken = {layer.plan(torch.zeros(rows, 64)).kernel.layout for rows in (1, 128)}
+    assert set(derived.layouts) == taken
+    for rows in (1, 128):
+        layer(torch.randn(rows, 64).bfloat16())
+    assert layer._derived is derived and set(derived.layouts) == taken
+
+
+@needs_triton
+def test_the_plan_counts_rows_over_every_leading_dimension():
+    """x [1, 63, K] is 63 rows, one short of the folded GEMM's FOLDED_MIN_ROWS; [1, 64, K] is
+    64 rows: the plan counts rows over all leading dimensions, not along one of them."""
+    layer = ExactLinear.from_weight(torch.randn(16, 64), backend="triton")
+    assert triton_exact.FOLDED_MIN_ROWS == 64
+    assert layer.plan(torch.zeros(1, 63, 64)).kernel is triton_exact.GROUP
+    assert layer.plan(torch.zeros(1, 64, 64)).kernel is triton_exact.FOLDED
+    assert layer.plan(torch.zeros(4, 16, 64)).kernel is triton_exact.FOLDED
