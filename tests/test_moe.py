@@ -10,7 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exactness import moe
+from exactness import ExactLinear, moe
 from exactness.contract import (
     BFLOAT16,
     ContractTypeError,
@@ -529,3 +529,35 @@ def test_the_fp32_activation_gives_each_element_the_same_bits_anywhere(rows, wid
     r = rows // 2
     alone = tensor_to_bits(moe.activation(torch.nn.functional.silu, gate[r:r + 1], up[r:r + 1]))
     assert (alone[0] == both[r]).all()
+
+
+def test_the_fp32_activation_is_silu_of_gate_times_up():
+    """On whole vectors (64 elements a row) every element takes torch's vector path anyway, so
+    `activation` gives act_fn(gate) * up's bits exactly (mutmut: `/ up` went unseen)."""
+    g = torch.Generator().manual_seed(3)
+    gate, up = torch.randn(5, 128, generator=g) * 4, torch.randn(5, 128, generator=g)
+    want = torch.nn.functional.silu(gate) * up
+    got = moe.activation(torch.nn.functional.silu, gate, up)
+    assert (tensor_to_bits(got) == tensor_to_bits(want)).all()
+
+
+@pytest.mark.parametrize("act_bits", [16, 32])
+def test_a_projection_without_a_kernel_plans_its_own(act_bits):
+    """moe.projection(kernel=None) takes the plan's grouped kernel, or each expert's layers
+    where none holds them (32 bits, or a CPU without VNNI), with the bits of each expert's own
+    layer either way."""
+    torch.manual_seed(act_bits)
+    layers = [[ExactLinear.from_weight(torch.randn(16, 64), act_bits=act_bits),
+               ExactLinear.from_weight(torch.randn(16, 64), act_bits=act_bits)]
+              for _ in range(3)]
+    x = torch.randn(4, 64).bfloat16()
+    ids = torch.tensor([[0, 2], [1, 3], [2, 1], [0, 1]])  # 3: no expert
+    routing = route(ids, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", native.FallbackWarning)
+        y = moe.projection(layers, x, routing, gather=True)
+    for row, pair in enumerate(routing.pair[:int(routing.routed)].tolist()):
+        t, slot = divmod(pair, 2)
+        parts = layers[int(ids[t, slot])]
+        want = torch.cat([layer(x[t:t + 1]) for layer in parts], dim=1)
+        assert (tensor_to_bits(y[row:row + 1]) == tensor_to_bits(want)).all(), (row, pair)
