@@ -23,7 +23,7 @@ from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits
 from exactness.kernels import REGISTRY, KernelUnavailableError, native
 from exactness.kernels.registry import no
 from exactness.kernels.routing import route
-from exactness.kimi import ExactExperts, KimiConfig, KimiMoE
+from exactness.kimi import ExactExperts, KimiConfig, KimiMoE, KimiRouter
 from exactness.suite.cases import LinearCase, MoECase
 from exactness.suite.counterexamples import check_bits
 from exactness.suite.paths import available_paths, grouped_paths, held_act_bits, run
@@ -561,3 +561,43 @@ def test_a_projection_without_a_kernel_plans_its_own(act_bits):
         parts = layers[int(ids[t, slot])]
         want = torch.cat([layer(x[t:t + 1]) for layer in parts], dim=1)
         assert (tensor_to_bits(y[row:row + 1]) == tensor_to_bits(want)).all(), (row, pair)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_the_kimi_router_chooses_and_weighs_as_transformers_does(norm):
+    """KimiRouter against transformers' own DeepseekV3TopkRouter (noaux_tc, one group), same
+    weights and bias: the same experts for every token, and the same weights (fp32 sums in
+    another order: within a few ulps; the router is not under the contract)."""
+    from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+
+    config = KimiConfig(hidden_size=64, n_routed_experts=8, num_experts_per_tok=3,
+                        norm_topk_prob=norm, routed_scaling_factor=2.5)
+    ours = KimiRouter(config)
+    theirs = DeepseekV3TopkRouter(DeepseekV3Config(
+        hidden_size=64, n_routed_experts=8, num_experts_per_tok=3, n_group=1, topk_group=1,
+        norm_topk_prob=norm, routed_scaling_factor=2.5))
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        ours.weight.copy_(torch.randn(8, 64, generator=g).bfloat16())
+        ours.e_score_correction_bias.copy_(torch.randn(8, generator=g) * 0.3)
+        theirs.weight.copy_(ours.weight.float())
+        theirs.e_score_correction_bias.copy_(ours.e_score_correction_bias)
+    x = torch.randn(20, 64, generator=g).bfloat16()
+    chosen, weights = ours(x)
+    _, their_weights, their_chosen = theirs(x)
+    order, their_order = chosen.argsort(dim=-1), their_chosen.argsort(dim=-1)
+    assert torch.equal(chosen.gather(-1, order), their_chosen.gather(-1, their_order))
+    torch.testing.assert_close(weights.gather(-1, order), their_weights.gather(-1, their_order),
+                               rtol=1e-6, atol=0)
+
+
+def test_the_kimi_moe_block_adds_its_shared_experts_to_the_routed_sum():
+    """KimiMoE = its routed experts' weighted sum (fp32) + its shared experts, rounded once to
+    x's dtype, for x of any leading dimensions."""
+    block = kimi_moe()
+    x = torch.from_numpy(np.random.default_rng(2).standard_normal((2, 3, 64))).bfloat16()
+    flat = x.reshape(-1, 64)
+    want = (block.per_expert(flat, *block.gate(flat)) + block.shared_experts(flat).float())
+    assert torch.equal(block(x), want.to(torch.bfloat16).reshape(2, 3, 64))
+    assert torch.count_nonzero(block.shared_experts(flat)) > 0
