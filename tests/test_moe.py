@@ -601,3 +601,33 @@ def test_the_kimi_moe_block_adds_its_shared_experts_to_the_routed_sum():
     want = (block.per_expert(flat, *block.gate(flat)) + block.shared_experts(flat).float())
     assert torch.equal(block(x), want.to(torch.bfloat16).reshape(2, 3, 64))
     assert torch.count_nonzero(block.shared_experts(flat)) > 0
+
+
+def test_exact_experts_keep_their_width_device_and_loop():
+    """ExactExperts passes act_bits and device to every projection of every expert, and with
+    grouped = False its forward is transformers' own loop (per_expert)."""
+    meta = ExactExperts(3, 64, 32, torch.nn.SiLU(), act_bits=8, device="meta")
+    layers = [p for e in meta for p in (e.gate_proj, e.up_proj, e.down_proj)]
+    assert {layer.act_bits for layer in layers} == {8}
+    assert {layer.weight_packed.device.type for layer in layers} == {"meta"}
+    block = kimi_moe()
+    experts = block.experts
+    x = torch.from_numpy(np.random.default_rng(4).standard_normal((6, 64))).bfloat16()
+    chosen, weights = block.gate(x)
+    loop = ExactExperts(len(experts), 64, 32, torch.nn.SiLU(), grouped=False)
+    for e, expert in enumerate(experts):
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            getattr(loop[e], name).load_state_dict(getattr(expert, name).state_dict())
+    y = loop(x, chosen, weights)
+    assert torch.equal(y, loop.per_expert(x, chosen, weights)) and torch.count_nonzero(y) > 0
+
+
+def test_a_kimi_decoder_layer_adds_its_mlp_to_x():
+    from exactness.kimi import KimiDecoderLayer
+
+    layer = KimiDecoderLayer(KimiConfig(hidden_size=64, moe_intermediate_size=32,
+                                        n_routed_experts=4, num_experts_per_tok=2,
+                                        first_k_dense_replace=0), 0)
+    layer.mlp = kimi_moe(experts=4, top_k=2)
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal((3, 64))).bfloat16()
+    assert torch.equal(layer(x), x + layer.mlp(x))
