@@ -592,10 +592,13 @@ def test_the_kimi_router_chooses_and_weighs_as_transformers_does(norm):
                                rtol=1e-6, atol=0)
 
 
-def test_the_kimi_moe_block_adds_its_shared_experts_to_the_routed_sum():
+@pytest.mark.filterwarnings("ignore::exactness.kernels.native.FallbackWarning")  # at 32 bits
+@pytest.mark.parametrize("act_bits", [16, 32])
+def test_the_kimi_moe_block_adds_its_shared_experts_to_the_routed_sum(act_bits):
     """KimiMoE = its routed experts' weighted sum (fp32) + its shared experts, rounded once to
-    x's dtype, for x of any leading dimensions."""
-    block = kimi_moe()
+    x's dtype, for x of any leading dimensions; at 32 bits (no grouped kernel holds them) by
+    its per-expert loop."""
+    block = kimi_moe(act_bits=act_bits)
     x = torch.from_numpy(np.random.default_rng(2).standard_normal((2, 3, 64))).bfloat16()
     flat = x.reshape(-1, 64)
     want = (block.per_expert(flat, *block.gate(flat)) + block.shared_experts(flat).float())
@@ -606,8 +609,17 @@ def test_the_kimi_moe_block_adds_its_shared_experts_to_the_routed_sum():
 def test_exact_experts_keep_their_width_device_and_loop():
     """ExactExperts passes act_bits and device to every projection of every expert, and with
     grouped = False its forward is transformers' own loop (per_expert)."""
+    from transformers.models.deepseek_v3.configuration_deepseek_v3 import DeepseekV3Config
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
+
+    fused = DeepseekV3Experts(DeepseekV3Config(hidden_size=64, moe_intermediate_size=32,
+                                               n_routed_experts=3))
     meta = ExactExperts(3, 64, 32, torch.nn.SiLU(), act_bits=8, device="meta")
-    layers = [p for e in meta for p in (e.gate_proj, e.up_proj, e.down_proj)]
+    like = ExactExperts.like(fused, 8, device="meta")
+    layers = [p for experts in (meta, like) for e in experts
+              for p in (e.gate_proj, e.up_proj, e.down_proj)]
+    assert len(layers) == 18 and (like[2].down_proj.in_features, like[2].down_proj.out_features) \
+        == (32, 64)
     assert {layer.act_bits for layer in layers} == {8}
     assert {layer.weight_packed.device.type for layer in layers} == {"meta"}
     block = kimi_moe()
