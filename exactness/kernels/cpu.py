@@ -22,14 +22,18 @@ from .activations import quantize_rows
 from .registry import Fit, Weights, int8_limbs_hold, no, yes
 
 
+def fold(q: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+    """Wf [N, K] int64 = q * f: each group's factor f = ms << shift folded into its weights."""
+    n, k = q.shape
+    scale = factor.to(torch.int64)  # [N, G] ms << shift, zero for other rows
+    return (q.to(torch.int64).view(n, k // GROUP_SIZE, GROUP_SIZE) * scale[:, :, None]).view(n, k)
+
+
 class FoldedWeights:
     """Derived at load: the int8 digits of Wf [L, N, K] and sum_k Wf [N] (int64)."""
 
     def __init__(self, q: torch.Tensor, factor: torch.Tensor):
-        n, k = q.shape
-        scale = factor.to(torch.int64)  # [N, G] ms << shift, zero for other rows
-        folded = (q.to(torch.int64).view(n, k // GROUP_SIZE, GROUP_SIZE) * scale[:, :, None])
-        folded = folded.view(n, k)
+        folded = fold(q, factor)
         lo, hi = (int(folded.min()), int(folded.max())) if folded.numel() else (0, 0)
         self.limbs = dataflow.int8_digits(folded, dataflow.weight_limbs_needed(lo, hi))
         self.row_sum = folded.sum(dim=1)
@@ -134,10 +138,7 @@ class Float64Weights:
     8 bytes a weight."""
 
     def __init__(self, q: torch.Tensor, factor: torch.Tensor):
-        n, k = q.shape
-        folded = q.to(torch.int64).view(n, k // GROUP_SIZE, GROUP_SIZE) * factor.to(
-            torch.int64)[:, :, None]
-        self.folded_t = folded.view(n, k).t().to(torch.float64).contiguous()
+        self.folded_t = fold(q, factor).t().to(torch.float64).contiguous()
 
     @property
     def nbytes(self) -> int:

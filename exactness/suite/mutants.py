@@ -405,7 +405,7 @@ CATALOGUE = (
            "f = tl.load(f_ptr + offs_n * stride_fn + g, mask=mask_n, other=0)",
            "f = tl.load(f_ptr + offs_n * stride_fn + tl.maximum(g - 1, 0), mask=mask_n, other=0)",
            "group g's scale applied to group g + 1", (TRITON, TRITON_VECTORS)),
-    Mutant("tile-of-64-with-one-scale", "exactness.kernels.cpu:FoldedWeights.__init__",
+    Mutant("tile-of-64-with-one-scale", "exactness.kernels.cpu:fold",
            "scale[:, :, None]", "scale[:, (torch.arange(k // GROUP_SIZE) // 2) * 2, None]",
            "one group's scale applied to a whole tile wider than the group (vLLM triton w4a16)",
            (GEMM, GEMM_VECTORS)),

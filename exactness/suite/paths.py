@@ -128,10 +128,7 @@ def held_act_bits(path: str) -> tuple[int, ...]:
 
     if path not in PATHS or path in ("oracle", "reference", "cpu"):
         return ACT_BITS
-    if path == "triton":
-        return tuple(a for a in ACT_BITS if triton_exact.GROUP.eligible(
-            1, ExactLinear(GROUP_SIZE, 1, a).weights()))
-    kernel = by_name(REGISTRY, path)
+    kernel = triton_exact.GROUP if path == "triton" else by_name(REGISTRY, path)
     return tuple(a for a in ACT_BITS
                  if kernel.eligible(1, ExactLinear(GROUP_SIZE, 1, a).weights()))
 

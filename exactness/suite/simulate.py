@@ -12,6 +12,7 @@ import numpy as np
 from .. import dataflow
 from ..contract import GROUP_SIZE
 from ..formats import round_scaled_array
+from ..kernels.registry import int8_limbs_hold
 from .cases import LinearCase
 from .reference import quantize_activations, split_scales
 
@@ -27,10 +28,9 @@ def simulate(case: LinearCase, dot_bits: int | None = None,
     """Output bits of `case` through limbs -> group dots -> combine -> one rounding, wrapping at
     `dot_bits` / `combine_bits` (default: dataflow's). Exact Python integers in between. It is
     the int8 kernels' dataflow: activations in more limbs than they carry raise ValueError."""
-    if dataflow.act_limbs(case.act_bits) > dataflow.KERNEL_ACT_LIMBS:
-        raise ValueError(f"act_bits {case.act_bits}: no int8 kernel carries its "
-                         f"{dataflow.act_limbs(case.act_bits)} limbs, so there is no such "
-                         f"dataflow to simulate")
+    held = int8_limbs_hold(case.act_bits)
+    if not held:
+        raise ValueError(f"no int8 kernel's dataflow to simulate: {held.why}")
     dot_bits = dot_bits or dataflow.DOT_ACC_BITS
     combine_bits = combine_bits or dataflow.COMBINE_ACC_BITS
     qa, e_r = quantize_activations(case.x_bits, case.x_format, case.act_bits)

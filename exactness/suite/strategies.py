@@ -11,7 +11,6 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
-from .. import dataflow
 from ..contract import (
     ACT_BITS,
     BFLOAT16,
@@ -26,6 +25,7 @@ from ..contract import (
     weight_range,
 )
 from ..formats import pack_weights, round_scaled
+from ..kernels.registry import int8_limbs_hold
 from .cases import LinearCase
 
 KIMI_SHAPES = ((7168, 2048), (2048, 7168))  # (K, N) of the routed experts: gate/up, down
@@ -35,8 +35,7 @@ seeds = st.integers(0, 2**32 - 1)
 formats = st.sampled_from([FORMATS["bfloat16"], FORMATS["float16"], FORMATS["float32"]])
 act_bits = st.sampled_from(ACT_BITS)
 # the widths the int8 kernels (C, Triton, int8 GEMMs) hold: 32 bits needs more limbs than they carry
-INT8_KERNEL_ACT_BITS = tuple(a for a in ACT_BITS
-                             if dataflow.act_limbs(a) <= dataflow.KERNEL_ACT_LIMBS)
+INT8_KERNEL_ACT_BITS = tuple(a for a in ACT_BITS if int8_limbs_hold(a))
 weight_bits = st.sampled_from(WEIGHT_BITS)
 
 
