@@ -1,5 +1,6 @@
 """The suite's pytest set-up: the Hypothesis profile (exactness.suite.profiles), the Triton
-interpreter where there is no GPU, and a planted mutant where EXACTNESS_MUTANT names one."""
+interpreter where there is no GPU, the C kernel emulated where the CPU lacks AVX-512 VNNI, and a
+planted mutant where EXACTNESS_MUTANT names one."""
 
 import os
 
@@ -11,9 +12,11 @@ if "TRITON_INTERPRET" not in os.environ:
     if not torch.cuda.is_available():
         os.environ["TRITON_INTERPRET"] = "1"
 
-from exactness.suite import profiles  # noqa: E402
+from exactness.suite import paths, profiles  # noqa: E402
 
 profiles.load()
+# where the CPU lacks AVX-512 VNNI, the C kernel's checks run on its emulated build, never skip
+paths.emulate_the_c_kernel_where_missing()
 
 
 def pytest_configure(config):

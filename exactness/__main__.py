@@ -20,10 +20,14 @@ COMMANDS = {
     "precision": ("exactness.suite.precision", "the precision report (reports/precision.md)"),
     "kimi": ("exactness.suite.kimi_check", "check a Kimi checkpoint directory on disk"),
 }
+# the commands that check the project's kernels: on a CPU without AVX-512 VNNI they check the C
+# kernel emulated, as the tests do (conftest.py)
+SUITE_OF_KERNELS = ("verify", "repro", "mutants")
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Every command runs with the mutant EXACTNESS_MUTANT names planted, if any."""
+    """Every command runs with the mutant EXACTNESS_MUTANT names planted, if any; the suite's
+    checks of the kernels with the C kernel emulated where the CPU lacks it."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         parser = argparse.ArgumentParser(prog="python -m exactness", description=__doc__,
@@ -37,6 +41,10 @@ def main(argv: list[str] | None = None) -> int:
 
     from exactness.suite.mutants import applied, from_env
 
+    if argv[0] in SUITE_OF_KERNELS:
+        from exactness.suite.paths import emulate_the_c_kernel_where_missing
+
+        emulate_the_c_kernel_where_missing()
     mutant = from_env()
     command = importlib.import_module(COMMANDS[argv[0]][0])
     with applied(mutant) if mutant else nullcontext():

@@ -70,3 +70,30 @@ def test_files_edited_while_verify_ran_are_not_recorded(repo):
     (repo / "exactness/kernels/kernel.py").write_text("edited meanwhile")
     assert not gate.record_thorough_verdict(began, 1.0, repo)
     assert gate.stamped_digest(repo) is None
+
+
+def test_ci_runs_as_much_of_the_thorough_profile_as_its_time_holds(monkeypatch):
+    """gate.thorough_examples: the ci verify's time scaled to the time left, with a margin, at
+    most the full profile, and none where not even twice the ci profile fits."""
+    from exactness.suite import profiles
+    from exactness.suite.gate import thorough_examples
+
+    assert thorough_examples(3600, 60) == 2000  # a fast machine: the full profile
+    assert thorough_examples(3600, 600) == 240  # 60 * 3600 / (600 * 1.5)
+    assert thorough_examples(1000, 600) == 0  # 66 examples: no more than the ci verdict
+    assert thorough_examples(1800, 600) == 120  # exactly twice the ci profile
+    monkeypatch.setenv("EXACTNESS_THOROUGH_EXAMPLES", "240")
+    assert profiles.thorough_examples() == 240
+    for bad in ("0", "2001", "many", "-5"):
+        monkeypatch.setenv("EXACTNESS_THOROUGH_EXAMPLES", bad)
+        with pytest.raises(ValueError, match="EXACTNESS_THOROUGH_EXAMPLES must be an integer"):
+            profiles.thorough_examples()
+
+
+def test_the_gate_command_prints_the_examples_or_fails_saying_why(capsys):
+    from exactness.suite.gate import main
+
+    assert main(["--examples-for", "3600", "--ci-seconds", "600"]) == 0
+    assert capsys.readouterr().out.strip() == "240"
+    assert main(["--examples-for", "600", "--ci-seconds", "600"]) == 1
+    assert "hold no thorough run" in capsys.readouterr().err

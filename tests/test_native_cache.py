@@ -33,8 +33,8 @@ def cache(tmp_path, monkeypatch):
 
 def cached_name(cache, source: str):
     """Where build keeps `source`'s library: named by the hash of the source and the flags."""
-    key = hashlib.sha256((source + " ".join(native.FLAGS)).encode()).hexdigest()[:16]
-    return cache / f"cpu_vnni-{key}.so"
+    compiled, flags, _ = native.as_compiled(source)
+    return cache / f"cpu_vnni-{native.cache_key(compiled, flags)}.so"
 
 
 def compile_to(path, source: str) -> None:

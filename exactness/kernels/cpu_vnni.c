@@ -26,7 +26,9 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifndef ALWAYS_INLINE  // avx512_emulated.h lets the compiler choose: minutes of build otherwise
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+#endif
 // activation rows per weight load, in both kernels: 2 x 4 dot and 2 x 4 int64 registers
 // (BY_ROWS lists the tails 1..3: change both together)
 #define TILE_ROWS 4
@@ -286,9 +288,11 @@ ALWAYS_INLINE void expand(const uint8_t *wb, const int16_t *f, int16_t *s, int64
 
 // d += the pairs of v times the two int16 at p, broadcast to every lane: vpdpwssd with the
 // broadcast embedded in its memory operand (GCC 12 loads it into a register of its own, one more
-// instruction per dot: 3% of the kernel's time, measured)
+// instruction per dot: 3% of the kernel's time, measured); avx512_emulated.h has its own, no asm
+#ifndef DOT_BROADCAST
 #define DOT_BROADCAST(d, v, p) \
     __asm__("vpdpwssd %2%{1to16%}, %1, %0" : "+v"(d) : "v"(v), "m"(*(const int32_t *)(p)))
+#endif
 
 // A tile's sums waiting for their rounding (finish), one row during each of the next tile's first
 // groups: the rounding's long dependency chains then run beside that tile's dots instead of

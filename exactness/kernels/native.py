@@ -1,6 +1,8 @@
 """The CPU path's fast kernel (cpu_vnni.c): compiled on first use with the system C compiler,
 cached by source hash, loaded with ctypes, and used only where the CPU has AVX-512 VNNI and the
 compiled kernel passes its exactness self-check; otherwise the int8-GEMM path runs instead.
+EXACTNESS_NATIVE=emulate builds it against avx512_emulated.h (portable C) on any x86 CPU: slow,
+for verification; the suite does so where the CPU lacks AVX-512 VNNI.
 
 One forward is one call into C (exact_linear) that runs two passes: the activations quantized (the
 row exponents e_r by the contract's integer rule on the row maxima, as
@@ -29,7 +31,14 @@ from pathlib import Path
 import torch
 
 from .. import dataflow
-from ..contract import BFLOAT16, GROUP_SIZE, FloatFormat, act_qmax, float_format
+from ..contract import (
+    BFLOAT16,
+    GROUP_SIZE,
+    ContractValueError,
+    FloatFormat,
+    act_qmax,
+    float_format,
+)
 from ..formats import check_finite, float_bits, torch_dtype
 from ..quantize import quantize_activations
 from .registry import Fit, Weights, int8_limbs_hold, no, refuse_unheld, yes
@@ -37,6 +46,10 @@ from .registry import Fit, Weights, int8_limbs_hold, no, refuse_unheld, yes
 SOURCE = Path(__file__).with_name("cpu_vnni.c")
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512dq",
          "-mavx512vl", "-mavx512cd", "-mavx512vnni"]
+# EXACTNESS_NATIVE=emulate: the intrinsics in portable C (SIMDe from simde-py, and the header)
+EMULATION = Path(__file__).with_name("avx512_emulated.h")
+EMULATED_FLAGS = ["-O2", "-fopenmp", "-shared", "-fPIC", "-DSIMDE_NO_NATIVE", "-Wno-psabi"]
+MODES = {"1": "the AVX-512 VNNI instructions", "0": "off", "emulate": "emulated AVX-512"}
 NEEDS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx512_vnni")
 FORMAT_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}  # cpu_vnni.c's load16
 SPAN_MIN_ROWS = 24  # from here on the span kernel is faster (measured: docs/PERFORMANCE.md)
@@ -56,18 +69,34 @@ def _cpu_has_vnni() -> bool:
     return not _missing_features()
 
 
+def mode() -> str:
+    """EXACTNESS_NATIVE: "1" (the default: the real instructions where the CPU has them), "0"
+    (off) or "emulate" (avx512_emulated.h); ContractValueError for anything else."""
+    value = os.environ.get("EXACTNESS_NATIVE", "1")
+    if value not in MODES:
+        raise ContractValueError(f"EXACTNESS_NATIVE must be one of {', '.join(MODES)}, got "
+                                 f"{value!r}")
+    return value
+
+
+def emulated() -> bool:
+    return mode() == "emulate"
+
+
 @functools.cache
 def status() -> tuple[ctypes.CDLL | None, Fit]:
     """(the loaded kernel or None, and why): no VNNI, no compiler, or which self-check failed."""
-    if os.environ.get("EXACTNESS_NATIVE", "1") == "0":
+    if mode() == "0":
         return None, no("EXACTNESS_NATIVE=0 turns the C kernel off")
     missing = _missing_features()
-    if missing:
+    if missing and not emulated():
         return None, no(f"the CPU lacks {', '.join(missing)}")
     lib, why = build(SOURCE.read_text())
     if lib is None:
         return None, why
     verdict = _self_check(lib)
+    if verdict and emulated():
+        verdict = yes("emulated AVX-512 (EXACTNESS_NATIVE=emulate): for verification, not speed")
     return (lib if verdict else None), verdict
 
 
@@ -102,7 +131,10 @@ def build(source: str) -> tuple[ctypes.CDLL | None, Fit]:
     unpredictable names, one compile at a time (_locked), and a library loaded only when its
     bytes match the digest recorded when it was built (_verified); a cached library that fails
     the digest or does not load is rebuilt once, then refused."""
-    key = hashlib.sha256((source + " ".join(FLAGS)).encode()).hexdigest()[:16]
+    source, flags, why = as_compiled(source)
+    if source is None:
+        return None, why
+    key = cache_key(source, flags)
     cache, why = cache_dir()
     if cache is None:
         return None, why
@@ -114,10 +146,28 @@ def build(source: str) -> tuple[ctypes.CDLL | None, Fit]:
                 lib, why = _load(data, cache)
                 if lib is not None:
                     return lib, why
-            data, why = _compile(source, so)  # none cached, a mismatch, or it does not load
+            data, why = _compile(source, so, flags)  # none cached, a mismatch, or it does not load
             return _load(data, cache) if data is not None else (None, why)
     except OSError as e:  # the lock file or the private copy: the cache cannot be written
         return None, no(f"no writable cache ({cache}): {e}")
+
+
+def as_compiled(source: str) -> tuple[str | None, list[str], Fit]:
+    """(the source the compiler sees, its flags, why): emulated, with avx512_emulated.h in place
+    of <immintrin.h> (None where simde-py, which holds SIMDe's headers, is missing)."""
+    if not emulated():
+        return source, FLAGS, yes("the AVX-512 VNNI instructions")
+    try:
+        import simde_py
+    except ImportError:
+        return None, [], no("EXACTNESS_NATIVE=emulate needs SIMDe's headers: pip install simde-py")
+    return (source.replace("#include <immintrin.h>", EMULATION.read_text(), 1),
+            [*EMULATED_FLAGS, f"-I{simde_py.get_include()}"], yes("emulated AVX-512"))
+
+
+def cache_key(source: str, flags: list[str]) -> str:
+    """The cached library's name: the hash of what was compiled, and how."""
+    return hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:16]
 
 
 def cache_dir() -> tuple[Path | None, Fit]:
@@ -170,7 +220,7 @@ def _verified(so: Path) -> bytes | None:
     return data if hashlib.sha256(data).hexdigest() == want else None
 
 
-def _compile(source: str, so: Path) -> tuple[bytes | None, Fit]:
+def _compile(source: str, so: Path, flags: list[str]) -> tuple[bytes | None, Fit]:
     """`source` compiled in a fresh private directory (mkdtemp: no name to plant a link at), then
     renamed to `so` and its digest beside it (renames are atomic; a crash between them leaves a
     mismatch, so a rebuild); the library's bytes, or None and why."""
@@ -179,7 +229,7 @@ def _compile(source: str, so: Path) -> tuple[bytes | None, Fit]:
         with tempfile.TemporaryDirectory(dir=so.parent) as work:
             src, out, digest = (Path(work, name) for name in ("cpu_vnni.c", "lib.so", "sha256"))
             src.write_text(source)
-            subprocess.run([compiler, *FLAGS, str(src), "-o", str(out)],
+            subprocess.run([compiler, *flags, str(src), "-o", str(out)],
                            check=True, capture_output=True, timeout=120)
             data = out.read_bytes()
             digest.write_text(hashlib.sha256(data).hexdigest())

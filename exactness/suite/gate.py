@@ -78,11 +78,39 @@ def profile(base: str, root: Path = ROOT) -> tuple[str, str]:
     return "ci", f"the watched files unchanged since {base} and since the last thorough verdict"
 
 
+def thorough_examples(seconds_left: float, ci_seconds: float, safety: float = 1.5) -> int:
+    """The thorough profile's examples per property that fit in `seconds_left`, scaled from a
+    ci-profile verify of `ci_seconds` (its 60 examples; its fixed costs count as if they scaled
+    too, and `safety` more): at most the full profile's. 0 where not even twice the ci
+    profile's examples fit: no run there would be more thorough than the ci verdict."""
+    from .profiles import CI_EXAMPLES, THOROUGH_EXAMPLES
+
+    fit = int(CI_EXAMPLES * seconds_left / (max(ci_seconds, 1.0) * safety))
+    return min(fit, THOROUGH_EXAMPLES) if fit >= 2 * CI_EXAMPLES else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m exactness gate", description=__doc__)
     parser.add_argument("--base", default=os.environ.get("EXACTNESS_BASE", "HEAD~1"),
                         help="the commit to compare with (default $EXACTNESS_BASE or HEAD~1)")
+    parser.add_argument("--examples-for", type=float, metavar="SECONDS",
+                        help="print the thorough examples per property that fit in SECONDS "
+                             "(with --ci-seconds); exit 1 where too few fit")
+    parser.add_argument("--ci-seconds", type=float, help="the ci-profile verify's seconds")
     args = parser.parse_args(argv)
+    if args.examples_for is not None:
+        if args.ci_seconds is None:
+            parser.error("--examples-for needs --ci-seconds")
+        examples = thorough_examples(args.examples_for, args.ci_seconds)
+        if not examples:
+            print(f"CI gate: {args.examples_for:.0f} s left hold no thorough run (a ci verify "
+                  f"took {args.ci_seconds:.0f} s): verify --thorough on a faster machine and "
+                  f"commit {THOROUGH_STAMP}", file=sys.stderr)
+            return 1
+        print(f"CI gate: {examples} examples per property fit in {args.examples_for:.0f} s",
+              file=sys.stderr)
+        print(examples)
+        return 0
     chosen, why = profile(args.base)
     print(f"CI gate: verify in the {chosen} profile: {why}", file=sys.stderr)
     print(chosen)

@@ -4,7 +4,8 @@
   the reproduction blob of a failure; no explain phase (it traces every line the Triton
   interpreter runs while a failure shrinks: the kernel mutants' kills took 6x as long);
 - dev: random, with the example database, so a failure found once is replayed first next time;
-- thorough: nightly scale, with the example database;
+- thorough: nightly scale (THOROUGH_EXAMPLES per property, or EXACTNESS_THOROUGH_EXAMPLES where
+  CI's time holds fewer: gate.thorough_examples), with the example database;
 - ci-kill: ci without shrinking (make verify's mutation stage).
 
 The example database (`example_database`) is a directory, EXACTNESS_HYPOTHESIS_DB (default
@@ -28,6 +29,17 @@ from hypothesis.database import (
 )
 
 _SLOW_DATA = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
+CI_EXAMPLES, THOROUGH_EXAMPLES = 60, 2000
+
+
+def thorough_examples() -> int:
+    """The thorough profile's examples per property: EXACTNESS_THOROUGH_EXAMPLES (a positive
+    integer, at most THOROUGH_EXAMPLES) where set."""
+    text = os.environ.get("EXACTNESS_THOROUGH_EXAMPLES", str(THOROUGH_EXAMPLES))
+    if not text.isdigit() or not 1 <= int(text) <= THOROUGH_EXAMPLES:
+        raise ValueError(f"EXACTNESS_THOROUGH_EXAMPLES must be an integer in 1 .. "
+                         f"{THOROUGH_EXAMPLES}, got {text!r}")
+    return int(text)
 
 
 def example_database() -> ExampleDatabase:
@@ -48,15 +60,16 @@ def example_database() -> ExampleDatabase:
 
 
 settings.register_profile("ci", derandomize=True, deadline=None, database=None, print_blob=True,
-                          max_examples=60, suppress_health_check=_SLOW_DATA,
+                          max_examples=CI_EXAMPLES, suppress_health_check=_SLOW_DATA,
                           phases=[p for p in Phase if p != Phase.explain])
 # make verify's mutation stage only needs to see each mutant die: no shrinking
 settings.register_profile("ci-kill", parent=settings.get_profile("ci"),
                           phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target])
 settings.register_profile("dev", deadline=None, max_examples=100, suppress_health_check=_SLOW_DATA,
                           database=example_database())
-settings.register_profile("thorough", deadline=None, max_examples=2000, print_blob=True,
-                          suppress_health_check=_SLOW_DATA, database=example_database())
+settings.register_profile("thorough", deadline=None, max_examples=thorough_examples(),
+                          print_blob=True, suppress_health_check=_SLOW_DATA,
+                          database=example_database())
 
 
 def load() -> None:
