@@ -9,7 +9,7 @@ export HYPOTHESIS_PROFILE
 export TRITON_INTERPRET ?= 1
 PYTEST_ARGS ?= -n 2
 
-.PHONY: setup test verify lint prove bench mutants mutmut repro precision clean
+.PHONY: setup test verify lint prove bench mutants mutmut repro precision peers clean
 
 setup: $(STAMP)
 
@@ -42,6 +42,10 @@ mutmut: setup
 
 repro: setup
 	$(BIN)/python -m exactness repro $(FILE)
+
+# other int4 kernels under python -m exactness check, timed against bf16: docs/PEERS.md
+peers: setup
+	$(BIN)/python -m exactness.suite.peers
 
 prove: setup
 	$(BIN)/python -m exactness prove

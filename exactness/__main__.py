@@ -1,4 +1,4 @@
-"""Command line: `python -m exactness {verify,prove,repro,mutants,gate,precision,kimi}`.
+"""Command line: `python -m exactness {verify,prove,repro,mutants,gate,precision,kimi,check}`.
 
 Every command but `kimi` is the suite's (exactness.suite, proofs): this file is the one place
 where the product and the suite meet, and it imports each command only when it runs.
@@ -19,10 +19,11 @@ COMMANDS = {
     "gate": ("exactness.suite.gate", "the CI gate: which profile .ci/run verifies in, and why"),
     "precision": ("exactness.suite.precision", "the precision report (reports/precision.md)"),
     "kimi": ("exactness.suite.kimi_check", "check a Kimi checkpoint directory on disk"),
+    "check": ("exactness.suite.check", "the suite run on a kernel this project did not write"),
 }
 # the commands that check the project's kernels: on a CPU without AVX-512 VNNI they check the C
 # kernel emulated, as the tests do (conftest.py)
-SUITE_OF_KERNELS = ("verify", "repro", "mutants")
+SUITE_OF_KERNELS = ("verify", "repro", "mutants", "check")
 
 
 def main(argv: list[str] | None = None) -> int:

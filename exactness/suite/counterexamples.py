@@ -57,7 +57,7 @@ def _versions() -> dict:
 
 
 def to_document(case: LinearCase, *, path: str, expected=None, actual=None, source: str = "user",
-                note: str = "") -> dict:
+                note: str = "", extra: dict | None = None) -> dict:
     m, k, n = case.shape
     doc = {
         "format": FORMAT, "version": VERSION, "source": source, "path": path, "note": note,
@@ -73,20 +73,24 @@ def to_document(case: LinearCase, *, path: str, expected=None, actual=None, sour
     if case.routing is not None:
         doc["experts"], doc["parts"] = case.experts, case.parts
         doc["routing"] = [[int(e) for e in row] for row in case.routing]
-    return doc
+    return {**doc, **(extra or {})}
 
 
 def write(case: LinearCase, *, path: str, expected=None, actual=None, source: str = "user",
-          note: str = "", directory: Path | str | None = None) -> Path:
-    """Write the counterexample atomically; the file name is a hash of its input."""
-    doc = to_document(case, path=path, expected=expected, actual=actual, source=source, note=note)
+          note: str = "", directory: Path | str | None = None, extra: dict | None = None) -> Path:
+    """Write the counterexample atomically; the file name is a hash of its input. `extra`:
+    further fields (a checked outside kernel's: exactness.suite.check)."""
+    doc = to_document(case, path=path, expected=expected, actual=actual, source=source, note=note,
+                      extra=extra)
     text = json.dumps(doc, indent=1)
     key = hashlib.sha256(json.dumps([doc["x_bits"], doc["weight_packed"],
                                      doc["weight_scale_bits"], doc["act_bits"], path,
-                                     doc.get("routing")]).encode())
+                                     doc.get("routing"), doc.get("kernel"),
+                                     doc.get("property")]).encode())
     directory = Path(directory or default_dir())
     directory.mkdir(parents=True, exist_ok=True)
-    target = directory / f"{path}-{key.hexdigest()[:12]}.json"
+    name = path if "kernel" not in doc else re.sub(r"[^A-Za-z0-9_.-]+", "-", doc["kernel"])
+    target = directory / f"{name}-{key.hexdigest()[:12]}.json"
     fd, tmp = tempfile.mkstemp(dir=directory, suffix=".tmp")
     with os.fdopen(fd, "w") as f:
         f.write(text)
@@ -111,8 +115,12 @@ def read(file: Path | str) -> tuple[LinearCase, dict]:
     _field(file, doc, "source", str)  # replay prints source and note
     _field(file, doc, "note", str, optional=True)
     path = _field(file, doc, "path", str)
-    if path not in PATHS and not _SIMULATED.fullmatch(path):
-        raise _error(file, "path", f"{_show(path)} is none of {', '.join(PATHS)}, simulated-...")
+    if path == "kernel":  # an outside kernel's (exactness.suite.check): it names the kernel
+        _field(file, doc, "kernel", str)
+        _field(file, doc, "property", str)
+    elif path not in PATHS and not _SIMULATED.fullmatch(path):
+        raise _error(file, "path", f"{_show(path)} is none of {', '.join(PATHS)}, kernel, "
+                     f"simulated-...")
     act_bits = _checked(file, "act_bits", check_act_bits, _field(file, doc, "act_bits", int))
     w_bits = _checked(file, "w_bits", check_weight_bits, _field(file, doc, "w_bits", int))
     x_format = _checked(file, "x_dtype", float_format, _field(file, doc, "x_dtype", str))

@@ -1,10 +1,8 @@
 """`python -m exactness precision`: how much more precise is the exact path than bf16, measured.
 
 Ground truth: the exact rational product of the bf16 input with the dequantized weights
-(q * scale, exactly), computed in integers: per row, x = X * 2**ex_min (X an integer), per weight
-row, q * s = W * 2**es_min (W an integer), so y = (X . W) * 2**(ex_min + es_min) with X . W summed
-exactly (limbs of X small enough that float64 GEMMs of integers never round, recombined in Python
-integers). Every path is compared with it, element by element.
+(q * scale, exactly), computed in integers (truth.true_product). Every path is compared with it,
+element by element.
 
 Definitions (t = truth, y = a path's output, over all rows and outputs with t != 0):
 - rel: |y - t| / |t|, mean and max;
@@ -25,19 +23,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..contract import BFLOAT16, FLOAT32, GROUP_SIZE, FloatFormat
-from ..formats import (
-    decode_array,
-    float_bits,
-    pack_weights,
-    round_scaled,
-    tensor_to_bits,
-    unpack_weights,
-)
+from ..contract import BFLOAT16, FLOAT32, GROUP_SIZE, FloatFormat, float_format
+from ..formats import float_bits, pack_weights, tensor_to_bits, unpack_weights
 from ..modules import PackedInt4Linear
-
-LIMB = 20  # X limbs of 20 bits: |limb * W| < 2**35, K <= 2**17 terms: every sum < 2**53
-
+from .truth import correctly_rounded_bits, true_product, ulp_errors
 
 # --------------------------------------------------------------------------- data
 
@@ -69,32 +58,11 @@ def activations(kind: str, m: int, k: int, seed: int) -> torch.Tensor:
 # --------------------------------------------------------------------------- the truth
 
 
-def exact_truth(x: torch.Tensor, layer: PackedInt4Linear) -> tuple[list[list[int]], np.ndarray]:
-    """(integers T[r][n], exponents E[r, n]) with y_true = T * 2**E exactly."""
-    k, n = layer.in_features, layer.out_features
-    mx, ex = decode_array(tensor_to_bits(x), BFLOAT16)
-    ex_min = np.where(mx != 0, ex, 10**6).min(axis=1)
-    ex_min = np.where(ex_min == 10**6, 0, ex_min)
-    x_int = [[int(m) << int(e - lo) if m else 0 for m, e in zip(mr, er, strict=True)]
-             for mr, er, lo in zip(mx, ex, ex_min, strict=True)]
-    q = unpack_weights(layer.weight_packed.numpy(), 4, k).astype(np.int64)
-    ms, es = decode_array(float_bits(layer.weight_scale).numpy(), BFLOAT16)
-    es_min = np.where(ms != 0, es, 10**6).min(axis=1)
-    es_min = np.where(es_min == 10**6, 0, es_min)
-    w_int = q * np.repeat(ms << (es - es_min[:, None]).clip(0), GROUP_SIZE, axis=1)
-    if np.abs(w_int).max() >= 2**15:
-        raise ValueError("scale spread too wide for the exact float64 limbs (|W| >= 2**15)")
-    w64 = w_int.astype(np.float64).T
-    width = max(max(abs(v) for v in row).bit_length() for row in x_int)
-    t = [[0] * n for _ in x_int]
-    for j in range(0, width, LIMB):
-        limb = np.array([[(abs(v) >> j) & ((1 << LIMB) - 1) if v >= 0 else
-                          -((abs(v) >> j) & ((1 << LIMB) - 1)) for v in row] for row in x_int],
-                        dtype=np.float64)
-        part = (limb @ w64).astype(np.int64)  # exact: integers below 2**53
-        for r in range(len(x_int)):
-            t[r] = [a + (int(b) << j) for a, b in zip(t[r], part[r].tolist(), strict=True)]
-    return t, ex_min[:, None] + es_min[None, :]
+def exact_truth(x: torch.Tensor, layer: PackedInt4Linear) -> tuple[np.ndarray, np.ndarray]:
+    """(integers T[r, n], exponents E[r, n]) with y_true = T * 2**E exactly (truth.py)."""
+    q = unpack_weights(layer.weight_packed.numpy(), layer.bits, layer.in_features)
+    return true_product(tensor_to_bits(x), float_format(x.dtype), q,
+                        float_bits(layer.weight_scale).numpy())
 
 
 # --------------------------------------------------------------------------- paths
@@ -148,21 +116,16 @@ def errors(y: torch.Tensor, truth: tuple, fmt: FloatFormat) -> Errors:
                   for row, erow in zip(t_int, t_exp, strict=True)])  # float64 of the truth
     yv = y.double().numpy()
     nz = t != 0
-    diff = np.abs(yv - t)
-    rel = diff[nz] / np.abs(t[nz])
-    exp = np.floor(np.log2(np.abs(t[nz])))
-    ulp = np.exp2(np.maximum(exp, 1 - fmt.bias) - fmt.mant_bits)
-    return Errors(float(rel.mean()), float(rel.max()), float((diff[nz] / ulp).mean()),
-                  float((diff[nz] / ulp).max()), float(np.linalg.norm(yv - t) / np.linalg.norm(t)),
+    rel = np.abs(yv - t)[nz] / np.abs(t[nz])
+    ulp = ulp_errors(tensor_to_bits(y), t_int, t_exp, fmt)[nz]
+    return Errors(float(rel.mean()), float(rel.max()), float(ulp.mean()), float(ulp.max()),
+                  float(np.linalg.norm(yv - t) / np.linalg.norm(t)),
                   float(rounded_bits(y, truth, fmt).mean()), rel)
 
 
 def rounded_bits(y: torch.Tensor, truth: tuple, fmt: FloatFormat) -> np.ndarray:
     """Per output: whether y is RNE of the exact truth, bit for bit."""
-    t_int, t_exp = truth
-    want = [[round_scaled(v, int(e), fmt) for v, e in zip(row, erow, strict=True)]
-            for row, erow in zip(t_int, t_exp, strict=True)]
-    return tensor_to_bits(y) == np.array(want)
+    return tensor_to_bits(y) == correctly_rounded_bits(*truth, fmt)
 
 
 def correctly_rounded(y: torch.Tensor, truth: tuple, fmt: FloatFormat) -> bool:

@@ -74,10 +74,14 @@ def diff(case: LinearCase, got: np.ndarray, want: np.ndarray, limit: int = 5) ->
     return lines
 
 
-def replay(file: str, paths: list[str] | None = None, out=None) -> int:
-    """Exit status 1 or 0 (see above); CounterexampleFileError for a file it cannot read."""
+def replay(file: str, paths: list[str] | None = None, out=None, kernel: str | None = None) -> int:
+    """Exit status 1 or 0 (see above); CounterexampleFileError for a file it cannot read. With
+    `kernel`, or for a file of an outside kernel's check, the property it names on that kernel
+    (replay_kernel)."""
     out = sys.stdout if out is None else out  # looked up now: a later redirect applies
     case, doc = read(file)
+    if kernel or doc["path"] == "kernel":
+        return replay_kernel(file, case, doc, kernel, out)
     m, k, n = case.shape
     routed = "" if case.routing is None else \
         f" ({case.experts} experts, top_k={case.routing.shape[1]})"
@@ -109,15 +113,33 @@ def replay(file: str, paths: list[str] | None = None, out=None) -> int:
     return 1 if failing else 0
 
 
+def replay_kernel(file: str, case: LinearCase, doc: dict, kernel: str | None, out) -> int:
+    """A `python -m exactness check` counterexample against `kernel` (default: the file's): 1
+    while its property still fails, 0 once it holds."""
+    from .check import replay as replay_property
+
+    kernel = kernel or doc.get("kernel")
+    m, k, n = case.shape
+    print(f"{file}: {doc['source']} counterexample, property {doc.get('property')!r} of "
+          f"kernel {kernel} (claim {doc.get('claim', 'exact')}), M={m} K={k} N={n}", file=out)
+    if doc.get("note"):
+        print(f"  note: {doc['note']}", file=out)
+    failing = replay_property(case, doc, kernel)
+    print(f"  still fails: {failing}" if failing else "fixed: the property holds", file=out)
+    return 1 if failing else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m exactness repro", description=__doc__)
     parser.add_argument("files", nargs="+")
     parser.add_argument("--path", action="append", help="replay only these paths")
+    parser.add_argument("--kernel", metavar="KERNEL", help="replay a `check` counterexample's "
+                        "property on this kernel (MODULE:FACTORY or a registered name)")
     args = parser.parse_args(argv)
     codes = []
     for file in args.files:
         try:
-            codes.append(replay(file, args.path))
+            codes.append(replay(file, args.path, kernel=args.kernel))
         except CounterexampleFileError as error:  # 2: neither "fixed" (0) nor "still differs" (1)
             print(f"repro: {error}", file=sys.stderr)
             codes.append(2)
