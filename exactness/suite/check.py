@@ -146,7 +146,7 @@ def registered(name: str) -> Callable:
         layer = ExactLinear(k, n, act_bits, kernel=name, device=device,
                             backend="triton" if kernel.family == "triton" else "auto")
         layer.load_state_dict({"weight_packed": weight_packed, "weight_scale": weight_scale,
-                               "weight_shape": weight_shape}, strict=False)
+                               "weight_shape": weight_shape})
         return lambda x: layer(x.to(device)).cpu()
 
     return factory
