@@ -102,7 +102,8 @@ class Report:
     verdicts: list[Verdict] = field(default_factory=list)
     worst_ulp: float | None = None  # w4a16: the largest error found
     where: str = ""  # and where it was
-    ulp_shares: dict[float, float] = field(default_factory=dict)  # bound -> share of outputs
+    within: dict[float, int] = field(default_factory=dict)  # ULP_BINS bound -> outputs within
+    outputs: int = 0  # outputs measured
 
     @property
     def ok(self) -> bool:
@@ -217,8 +218,8 @@ def check_claim(fn: Callable, case: LinearCase, claim: Claim, report: Report,
     if currently_in_test_context():  # a search, not a replay
         target(min(worst, 1e300), label="ulp error")
     for bound in ULP_BINS:
-        report.ulp_shares[bound] = report.ulp_shares.get(bound, 0) + int((errors <= bound).sum())
-    report.ulp_shares["outputs"] = report.ulp_shares.get("outputs", 0) + errors.size
+        report.within[bound] = report.within.get(bound, 0) + int((errors <= bound).sum())
+    report.outputs += errors.size
     r, c = (int(i) for i in np.unravel_index(np.argmax(errors), errors.shape))
     if report.worst_ulp is None or worst > report.worst_ulp:
         report.worst_ulp = worst
@@ -403,11 +404,10 @@ def render(report: Report) -> str:
                              if v.file else "")
         lines.append(f"  {v.prop:<16} {v.verdict:<8} {v.inputs:>6}  {detail}")
     if report.worst_ulp is not None:
-        total = report.ulp_shares.get("outputs", 0)
-        shares = ", ".join(f"<= {b:g}: {report.ulp_shares[b] / total:.2%}" for b in ULP_BINS
-                           if b in report.ulp_shares)
+        shares = ", ".join(f"<= {b:g}: {report.within[b] / report.outputs:.2%}"
+                           for b in ULP_BINS)
         lines.append(f"  worst error found: {report.worst_ulp:.4g} ulp, at {report.where}")
-        lines.append(f"  outputs by error ({total} outputs): {shares}")
+        lines.append(f"  outputs by error ({report.outputs} outputs): {shares}")
     lines.append("  verdict: " + ("passed" if report.ok else "NOT passed"))
     return "\n".join(lines)
 

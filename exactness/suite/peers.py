@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         w4 = verdicts["w4a16"]
         by = {v.prop: v.verdict for v in w4.verdicts}
         times = {} if args.no_timing else timing(kernel)
-        rounded = w4.ulp_shares[0.5] / w4.ulp_shares["outputs"]
+        rounded = w4.within[0.5] / w4.outputs
         rows.append((name, verdicts["exact"].verdicts[0].verdict, w4.worst_ulp, rounded,
                      by["batch-invariant"], by["deterministic"],
                      f"{non_finite}d: {by['non-finite']}", by["tails"], times))
