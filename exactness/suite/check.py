@@ -14,7 +14,8 @@ Claims:
 Each property gets its own verdict, in Alive2's words: passed (with how many inputs), refuted
 (with a counterexample file), or unknown (nothing could be checked):
 - claim: on the suite's inputs (scale spreads, ties, extremes; full Kimi sizes with --kimi);
-- batch-invariant: each row's bits are the same alone, in its batch, and in the batch reversed;
+- batch-invariant: each row's bits are the same alone, in its batch, in the batch reversed, and
+  among other rows;
 - deterministic: a second call, and a kernel built again, give the same bits;
 - non-finite: an inf or NaN in x is refused (an exception) or propagated (that row's outputs
   are not finite, the other rows' bits unchanged), as --non-finite says the kernel does;
@@ -233,9 +234,14 @@ def check_batch_invariant(fn: Callable, case: LinearCase, claim: Claim, report: 
     prop = "batch-invariant"
     whole = call(fn, case.x_bits, case, prop)[0]
     backwards = call(fn, case.x_bits[::-1].copy(), case, prop)[0][::-1]
+    others = case.x_bits ^ case.x_format.sign_bit  # every row negated: other data, same size
     for r in range(case.shape[0]):
         alone = call(fn, case.x_bits[r:r + 1], case, prop)[0][0]
-        for name, other in (("in its batch", whole[r]), ("in the batch reversed", backwards[r])):
+        among = others.copy()
+        among[r] = case.x_bits[r]
+        among = call(fn, among, case, prop)[0][r]
+        for name, other in (("in its batch", whole[r]), ("in the batch reversed", backwards[r]),
+                            ("among other rows", among)):
             if (alone != other).any():
                 raise Refuted(prop, case, f"row {r}'s bits alone differ from its bits {name} of "
                               f"{case.shape[0]} rows", None, np.stack([alone, other]), {"row": r})
