@@ -8,15 +8,12 @@ import itertools
 import torch
 
 from exactness.suite.peers import compressed_tensors_bf16, exact16
+from exactness.suite.precision import dequantize
 
 
 def _dequantized_fp32(weight_packed, weight_scale, weight_shape):
-    """The w4a16 computation, in fp32: x times q * scale, one rounding to bf16 at the end."""
-    from exactness.formats import unpack_weights
-
-    n, k = (int(v) for v in weight_shape)
-    q = torch.from_numpy(unpack_weights(weight_packed.numpy(), 4, k)).float()
-    return q * weight_scale.float().repeat_interleave(32, 1)
+    """q * scale in fp32, for the w4a16 computation: x times it, one rounding to bf16."""
+    return dequantize(weight_packed, weight_scale, torch.float32)
 
 
 def one_ulp_off(weight_packed, weight_scale, weight_shape, act_bits=16):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from fractions import Fraction
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -157,3 +158,11 @@ def test_the_peers_verdicts(tmp_path, kernel, multiple, exact, batch, tails):
                directory=tmp_path, properties=("claim", "batch-invariant", "tails"))
     assert verdicts(w4) == {"claim": "passed", "batch-invariant": batch, "tails": tails}
     assert w4.worst_ulp is not None and w4.worst_ulp >= 0
+
+
+def test_a_file_of_the_projects_paths_replays_on_a_kernel(capsys):
+    """repro FILE --kernel on a corpus file (no property of its own): its claim, exact."""
+    file = str(Path(__file__).parent / "counterexamples" / "final-tie-and-subnormal-tie-bf16.json")
+    assert repro([file, "--kernel", "exactness.suite.peers:exact16"]) == 0
+    assert repro([file, "--kernel", f"{PLANTED}:one_ulp_off"]) == 1
+    assert "property 'claim'" in capsys.readouterr().out

@@ -134,7 +134,6 @@ def registered(name: str) -> Callable:
     are checked as an outside one is."""
     from ..kernels import REGISTRY
     from ..kernels.registry import by_name
-    from ..modules import ExactLinear
     from .paths import device_of
 
     try:
@@ -143,15 +142,24 @@ def registered(name: str) -> Callable:
         raise CheckError(f"KERNEL {name!r} is no MODULE:FACTORY and {e}") from e
 
     def factory(weight_packed, weight_scale, weight_shape, act_bits: int = 16):
-        n, k = (int(v) for v in weight_shape)
         device = device_of(name) or "cpu"
-        layer = ExactLinear(k, n, act_bits, kernel=name, device=device,
+        layer = exact_layer(weight_packed, weight_scale, weight_shape, act_bits, kernel=name,
+                            device=device,
                             backend="triton" if kernel.family == "triton" else "auto")
-        layer.load_state_dict({"weight_packed": weight_packed, "weight_scale": weight_scale,
-                               "weight_shape": weight_shape})
         return lambda x: layer(x.to(device)).cpu()
 
     return factory
+
+
+def exact_layer(weight_packed, weight_scale, weight_shape, act_bits: int, **options):
+    """An ExactLinear holding the checkpoint's three tensors (`options`: its keywords)."""
+    from ..modules import ExactLinear
+
+    n, k = (int(v) for v in weight_shape)
+    layer = ExactLinear(k, n, act_bits, **options)
+    layer.load_state_dict({"weight_packed": weight_packed, "weight_scale": weight_scale,
+                           "weight_shape": weight_shape})
+    return layer
 
 
 def build(factory: Callable, case: LinearCase, claim: Claim, prop: str = "claim") -> Callable:
@@ -454,7 +462,7 @@ def replay(case: LinearCase, doc: dict, kernel: str | None = None) -> str | None
     claim = Claim(doc.get("claim", "exact"), case.act_bits, doc.get("max_ulp"),
                   doc.get("non_finite"))
     factory = load_kernel(kernel)
-    prop = doc["property"]
+    prop = doc.get("property", "claim")  # a file of this project's paths: its claim, exact
     try:
         fn = build(factory, case, claim, prop)
         if prop in ("claim", "tails"):

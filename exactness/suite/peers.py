@@ -52,13 +52,9 @@ def torch_int4_cpu(weight_packed, weight_scale, weight_shape):
 
 def _exact(default_act_bits: int):
     def factory(weight_packed, weight_scale, weight_shape, act_bits: int = default_act_bits):
-        from ..modules import ExactLinear
+        from .check import exact_layer
 
-        n, k = (int(v) for v in weight_shape)
-        layer = ExactLinear(k, n, act_bits)
-        layer.load_state_dict({"weight_packed": weight_packed, "weight_scale": weight_scale,
-                               "weight_shape": weight_shape})
-        return layer
+        return exact_layer(weight_packed, weight_scale, weight_shape, act_bits)
 
     return factory
 
@@ -79,7 +75,9 @@ def timing(kernel: str, ms=(1, 16, 128), shapes=((7168, 2048), (2048, 7168)), re
            ) -> dict[int, float]:
     """The kernel's time over bf16's (dequantized weights, torch's bf16 matmul) at Kimi's shapes:
     per M, the median over shapes and interleaved repeats of the per-call ratio."""
+    from ..formats import pack_weights
     from .check import load_kernel
+    from .precision import dequantize
 
     factory = load_kernel(kernel)
     g = torch.Generator().manual_seed(0)
@@ -89,11 +87,9 @@ def timing(kernel: str, ms=(1, 16, 128), shapes=((7168, 2048), (2048, 7168)), re
         for k, n in shapes:
             q = torch.randint(-8, 8, (n, k), generator=g)
             scale = (torch.rand(n, k // GROUP_SIZE, generator=g) * 0.01 + 1e-3).bfloat16()
-            from ..formats import pack_weights
-
             packed = torch.from_numpy(pack_weights(q.numpy(), 4))
             fn = factory(packed, scale, torch.tensor([n, k]))
-            w = (q.float() * scale.float().repeat_interleave(GROUP_SIZE, 1)).bfloat16()
+            w = dequantize(packed, scale, torch.bfloat16)
             x = torch.randn(m, k, generator=g).bfloat16()
             fn(x), x @ w.t()  # warm
             for _ in range(repeats):

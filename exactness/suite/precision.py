@@ -68,9 +68,15 @@ def exact_truth(x: torch.Tensor, layer: PackedInt4Linear) -> tuple[np.ndarray, n
 # --------------------------------------------------------------------------- paths
 
 
+def dequantize(weight_packed: torch.Tensor, weight_scale: torch.Tensor, dtype: torch.dtype
+               ) -> torch.Tensor:
+    """q * scale [N, K] from a checkpoint's int4 tensors, exact in fp32, then in `dtype`."""
+    q = torch.from_numpy(unpack_weights(weight_packed.numpy(), 4)).float()
+    return (q * weight_scale.float().repeat_interleave(GROUP_SIZE, 1)).to(dtype)
+
+
 def dequantized(layer: PackedInt4Linear, dtype: torch.dtype) -> torch.Tensor:
-    q = torch.from_numpy(unpack_weights(layer.weight_packed.numpy(), 4)).float()
-    return (q * layer.weight_scale.float().repeat_interleave(GROUP_SIZE, 1)).to(dtype)
+    return dequantize(layer.weight_packed, layer.weight_scale, dtype)
 
 
 def outputs(x: torch.Tensor, layer: PackedInt4Linear) -> dict[str, torch.Tensor]:

@@ -120,7 +120,7 @@ def replay_kernel(file: str, case: LinearCase, doc: dict, kernel: str | None, ou
 
     kernel = kernel or doc.get("kernel")
     m, k, n = case.shape
-    print(f"{file}: {doc['source']} counterexample, property {doc.get('property')!r} of "
+    print(f"{file}: {doc['source']} counterexample, property {doc.get('property', 'claim')!r} of "
           f"kernel {kernel} (claim {doc.get('claim', 'exact')}), M={m} K={k} N={n}", file=out)
     if doc.get("note"):
         print(f"  note: {doc['note']}", file=out)
