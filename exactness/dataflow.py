@@ -114,10 +114,12 @@ def activation_limbs(qa, act_bits: int):
     return int8_digits(qa.long() - limb_offset(act_bits), act_limbs(act_bits))
 
 
-# The int8 kernels (the C kernel, Triton's, the int8 GEMMs) carry at most this many activation
-# limbs; 32-bit activations take the float64 GEMMs, the int64 matmul or `wide` (registry's
-# int8_limbs_hold, in each int8 kernel's `eligible`).
+# How many activation limbs the int8 kernels carry (each kernel's `act_limbs`, checked by
+# registry.int8_limbs_hold in its `eligible`): Triton's and the int8 GEMMs two, the C kernel four
+# (32-bit activations too). Wider activations than a kernel carries take the float64 GEMMs, the
+# int64 matmul or `wide`.
 KERNEL_ACT_LIMBS = 2
+VNNI_ACT_LIMBS = 4
 
 
 def wide_groups_per_sum(w_bits: int, act_bits: int) -> int:

@@ -310,6 +310,71 @@ def span_unshifted(a_bits: int, dot_bits: int) -> Obligation:
                       acc_bits=dot_bits)
 
 
+def four_limb_bounds(w_bits: int) -> tuple[int, int]:
+    """The largest |P_lo| and |P_hi| of cpu_vnni.c's four-limb recombination (vnni_four_limbs):
+    P_lo = 256 * D'_1 + D'_0, P_hi = 256 * D'_3 + D'_2 - 2**15 * sum_k q, each D'_j a biased dot
+    (vnni-dot bounds it by 32 * 255 * 2**(w_bits - 1))."""
+    biased, wsum = GROUP_SIZE * 255 * 2 ** (w_bits - 1), GROUP_SIZE * 2 ** (w_bits - 1)
+    return 257 * biased, 257 * biased + 2**15 * wsum
+
+
+def vnni_four_limbs(w_bits: int, a_bits: int, dot_bits: int) -> Obligation:
+    """cpu_vnni.c at 32-bit activations: four biased limbs (the bytes of qa + 2**31), their dots
+    D'_j = D_j + 128 * sum_k q. The high pair's low sum starts at -(sum_k q << 15); every
+    partial sum from there, P_hi = (D'_3 << 8) + that sum and P_lo = (D'_1 << 8) + D'_0 stay in
+    int32, and 2**16 * P_hi + P_lo is dataflow's P = sum_j 256**j D_j + limb_offset * sum_k q."""
+    bound = GROUP_SIZE * 128 * 2 ** (w_bits - 1)
+    biased_bound = GROUP_SIZE * 255 * 2 ** (w_bits - 1)  # vnni-dot: every partial sum
+
+    def build():
+        dots = [signed_var(f"D_{j}", -bound, bound) for j in range(4)]
+        wsum, sum_ok = signed_var("wsum", -GROUP_SIZE * 2 ** (w_bits - 1),
+                                  GROUP_SIZE * (2 ** (w_bits - 1) - 1))
+        partial, partial_ok = signed_var("partial", -biased_bound, biased_bound)
+        offset = dataflow.LIMB_OFFSET * wide(wsum)
+        biased = [wide(d) + offset for d, _ in dots]  # vpdpbusd's D'_j
+        correction = wide(wsum) * 2**15
+        high_low = biased[2] - correction
+        p_hi, p_lo = biased[3] * 256 + high_low, biased[1] * 256 + biased[0]
+        steps = [correction, -correction, wide(partial) - correction, high_low, biased[3] * 256,
+                 p_hi, biased[1] * 256, p_lo]
+        want = sum(wide(d) * 256**j for j, (d, _) in enumerate(dots)) \
+            + dataflow.limb_offset(a_bits) * wide(wsum)
+        post = z3.And(*[fits(v, dot_bits) for v in steps], p_hi * 2**16 + p_lo == want)
+        names = {f"D_{j}": d for j, (d, _) in enumerate(dots)}
+        return (z3.And(*[ok for _, ok in dots], sum_ok, partial_ok), post,
+                {**names, "wsum": wsum, "partial": partial})
+
+    return Obligation(f"vnni-four-limbs-w{w_bits}-a{a_bits}",
+                      f"the VNNI kernel's four limbs give P as two int{dot_bits} halves", build,
+                      w_bits=w_bits, a_bits=a_bits, acc_bits=dot_bits)
+
+
+def vnni_four_limb_terms(w_bits: int, a_bits: int, k: int, spread: int) -> Obligation:
+    """cpu_vnni.c's group term at 32-bit activations, (P_hi * c << 16) + P_lo * c with
+    c = ms << shift: both products (vpmuldq), the shift and the sum fit int64 for every P_hi
+    and P_lo of vnni_four_limbs, shift <= spread. So the term is P * c exactly, the term the
+    combine proof sums."""
+    lo_max, hi_max = four_limb_bounds(w_bits)
+    mant = 2**dataflow.SCALE_MANT_BITS - 1
+    bits = dataflow.COMBINE_ACC_BITS
+
+    def build():
+        p_hi, hi_ok = signed_var("P_hi", -hi_max, hi_max)
+        p_lo, lo_ok = signed_var("P_lo", -lo_max, lo_max)
+        ms, ms_ok = signed_var("ms", -mant, mant)
+        sh = z3.BitVec("shift", 8)
+        shift = z3.ZeroExt(WIDE - 8, sh)
+        high, low = (product(p_hi, ms) << shift) << 16, product(p_lo, ms) << shift
+        return (z3.And(hi_ok, lo_ok, ms_ok, z3.ULE(sh, spread)),
+                z3.And(fits(high, bits), fits(low, bits), fits(high + low, bits)),
+                {"P_hi": p_hi, "P_lo": p_lo, "ms": ms, "shift": sh})
+
+    return Obligation(f"vnni-four-limb-terms-w{w_bits}-a{a_bits}-k{k}",
+                      f"(P_hi * c << 16) + P_lo * c in int{bits}, spread <= {spread}", build,
+                      w_bits=w_bits, a_bits=a_bits, k=k, acc_bits=bits, spread=spread)
+
+
 def group_bound(w_bits: int, a_bits: int) -> Obligation:
     """The closed form (A2Q-style) |P| <= 32 * 2**(bw-1) * Qa: never exceeded, and attained; with
     two limbs also the group kernel's |P'| = |sum_k (qa - LIMB_OFFSET) * q| <=
@@ -574,7 +639,9 @@ def for_config(w_bits: int, a_bits: int, k: int, acc_bits: int | None = None,
     if dataflow.float64_gemm_holds(k, w_bits, spread):  # else the kernel refuses the layer
         obligations += [cpu_float64_gemm(w_bits, a_bits, k, spread),
                         cpu_float64_recombine(w_bits, a_bits, k, spread)]
-    if dataflow.act_limbs(a_bits) > dataflow.KERNEL_ACT_LIMBS:  # no int8 kernel takes these
+    if dataflow.act_limbs(a_bits) > dataflow.KERNEL_ACT_LIMBS:  # the C kernel's four limbs only
+        obligations += [vnni_dot(w_bits, dot), vnni_four_limbs(w_bits, a_bits, dot),
+                        vnni_four_limb_terms(w_bits, a_bits, k, spread)]
         return _configured(obligations, w_bits, a_bits, k, dot)
     obligations += [group_dot(w_bits, a_bits, dot), vnni_dot(w_bits, dot)]
     if dataflow.act_limbs(a_bits) == 2:

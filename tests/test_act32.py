@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from exactness import ExactLinear, moe
 from exactness.contract import BFLOAT16, FORMATS
 from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits, torch_dtype
-from exactness.kernels import REGISTRY, KernelUnavailableError
+from exactness.kernels import REGISTRY, KernelUnavailableError, native
 from exactness.kernels.native import FallbackWarning
 from exactness.kernels.routing import route
 from exactness.moe import projection
@@ -23,6 +23,7 @@ from exactness.suite.counterexamples import check_bits
 from exactness.suite.paths import available_paths, held_act_bits, layer_for, run
 from exactness.suite.reference import quantize_activations
 from exactness.suite.strategies import activation_bits, int_weights, scale_bits
+from tests.test_modules import skip_unless_here
 
 pytestmark = pytest.mark.stage("equivalence")  # make verify's stage
 
@@ -95,27 +96,37 @@ def test_the_true_product_check_can_fail():
     assert (run(case, "reference") == true_product_bits(case)).all()
 
 
+HOLD_32_BITS = ("vnni-limbs", "vnni-grouped", "float64-gemm", "int64-matmul", "wide")
+
+
 @pytest.mark.parametrize("kernel", [k.name for k in REGISTRY])
 def test_a_kernel_holds_32_bits_or_refuses_them_by_name(kernel):
-    """Every kernel either holds act_bits = 32 (then it reproduces a 32-bit vector) or says
-    through the registry that it cannot, naming the limbs: never other bits."""
-    layer = ExactLinear.from_weight(torch.randn(8, 64), act_bits=32, kernel=kernel)
+    """Every kernel either holds act_bits = 32 (then it gives the bits of `wide`, Python
+    integers) or says through the registry why it cannot: never other bits."""
+    torch.manual_seed(0)
+    w, x = torch.randn(40, 96), torch.randn(5, 96)
+    x[1, 3] = 2.0**-30  # a row whose smallest element fills the low limbs
+    layer = ExactLinear.from_weight(w, act_bits=32, kernel=kernel)
     fit = next(k for k in REGISTRY if k.name == kernel).eligible(1, layer.weights())
-    assert (32 in held_act_bits(kernel)) == fit.ok
-    if not fit.ok:
-        assert "needs 4 int8 limbs" in fit.why
-        with pytest.raises(KernelUnavailableError, match="needs 4 int8 limbs"):
-            layer(torch.randn(2, 64))
-    else:
-        assert kernel in ("float64-gemm", "int64-matmul", "wide")
+    assert (32 in held_act_bits(kernel)) == fit.ok == (kernel in HOLD_32_BITS)
+    if not fit.ok:  # the span kernel takes 16-bit words; the others name their limbs
+        why = "16-bit activations" if kernel == "vnni-spans" else "needs 4 int8 limbs"
+        assert why in fit.why
+        with pytest.raises(KernelUnavailableError, match=why):
+            layer(torch.randn(2, 96))
+    elif kernel in available_paths():
+        want = ExactLinear.from_weight(w, act_bits=32, kernel="wide")(x)
+        assert torch.equal(tensor_to_bits_t(layer(x)), tensor_to_bits_t(want))
 
 
-def test_the_cpu_plan_at_32_bits_says_why_it_passed_the_int8_kernels():
+def test_the_cpu_plan_at_32_bits_takes_the_c_kernel_and_says_why_not_the_others():
+    """The C kernel carries four limbs; the int8 GEMMs, two, say so."""
     layer = ExactLinear.from_weight(torch.randn(8, 64), act_bits=32)
     plan = layer.plan(torch.randn(3, 64))
-    assert plan.kernel.name == "float64-gemm"
-    assert all("needs 4 int8 limbs" in why for name, why in plan.passed_over
-               if name in ("vnni-limbs", "int8-gemm"))
+    assert plan.kernel.name == ("vnni-limbs" if "vnni-limbs" in available_paths()
+                                else "float64-gemm")
+    gemm = next(k for k in REGISTRY if k.name == "int8-gemm")
+    assert "needs 4 int8 limbs, it carries at most 2" in gemm.eligible(3, layer.weights()).why
 
 
 @pytest.mark.skipif("triton" not in available_paths(), reason="Triton needs a GPU or "
@@ -126,20 +137,29 @@ def test_the_triton_backend_refuses_32_bits_with_the_reason():
         layer(torch.randn(2, 64))
 
 
-def test_an_moe_projection_at_32_bits_runs_expert_by_expert_and_says_why():
-    """No grouped kernel holds 32-bit activations: the projection warns once and runs each
-    expert's layer (float64-gemm), with the reference's bits."""
+@pytest.mark.parametrize("grouped_limbs", [4, 2])
+def test_an_moe_projection_at_32_bits_has_each_experts_bits(grouped_limbs, monkeypatch):
+    """The C grouped kernel carries four limbs: one call, no warning. Where the grouped kernel
+    carries two (as Triton's does), the projection warns once, naming the limbs, and runs each
+    expert's layer. Either way, each routed row has its expert's own bits."""
+    skip_unless_here("vnni-grouped")
+    monkeypatch.setattr(type(native.GROUPED), "act_limbs", grouped_limbs)
     torch.manual_seed(0)
     layers = [[ExactLinear.from_weight(torch.randn(16, 64), act_bits=32)] for _ in range(3)]
     x = torch.randn(5, 64).bfloat16()
     ids = torch.tensor([[0, 2], [1, 0], [2, 3], [3, 1], [0, 1]])  # 3: no expert
     routing = route(ids, 3)
     moe._warn_fallback.cache_clear()  # once a process: another test may have said it already
+    calls = []
+    run_grouped = native.GROUPED.run_grouped
+    monkeypatch.setattr(native.GROUPED, "run_grouped",
+                        lambda *args, **kw: calls.append(1) or run_grouped(*args, **kw))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         y = projection(layers, x, routing, gather=True)
-    assert any(issubclass(w.category, FallbackWarning) and "needs 4 int8 limbs" in str(w.message)
-               for w in caught)
+    warned = any(issubclass(w.category, FallbackWarning) and "needs 4 int8 limbs, it carries "
+                 "at most 2" in str(w.message) for w in caught)
+    assert (warned, len(calls)) == ((False, 1) if grouped_limbs == 4 else (True, 0))
     pairs = routing.pair[:int(routing.routed)].tolist()
     for row, pair in enumerate(pairs):
         t, slot = divmod(pair, 2)
@@ -164,7 +184,7 @@ def test_a_32_bit_layer_equals_the_reference_at_a_full_kimi_size():
                run(case, "reference"))
 
 
-@pytest.mark.parametrize("kernel", [k.name for k in REGISTRY if k.grouped])
+@pytest.mark.parametrize("kernel", [k.name for k in REGISTRY if k.grouped and k.act_limbs < 4])
 def test_a_grouped_kernel_run_directly_refuses_32_bits(kernel):
     """Past the plan (moe.projection(kernel=...)), a grouped kernel still refuses what it does
     not hold, rather than computing other bits."""

@@ -28,7 +28,6 @@ from exactness.suite.cases import LinearCase, MoECase
 from exactness.suite.counterexamples import check_bits
 from exactness.suite.paths import available_paths, grouped_paths, held_act_bits, run
 from exactness.suite.strategies import (
-    INT8_KERNEL_ACT_BITS,
     moe_cases,
     routed_cases,
     routings,
@@ -61,7 +60,7 @@ def test_grouped_projection_matches_reference(path):
     skip_unless_here(path)
 
     @examples(BACKEND_OF[path], 1, 1200)
-    @given(routed_cases(max_experts=5, max_rows=12, act_bits_=INT8_KERNEL_ACT_BITS))
+    @given(routed_cases(max_experts=5, max_rows=12, act_bits_=held_act_bits(path)))
     def check(case):
         check_bits(case, path, run(case, path), run(case, "reference"))
 

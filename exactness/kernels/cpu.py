@@ -106,6 +106,7 @@ class _GemmKernel:
 
     def __init__(self, name: str, int8: bool):
         self.name, self.int8 = name, int8
+        self.act_limbs = dataflow.KERNEL_ACT_LIMBS if int8 else 0
 
     def available(self, device: torch.device) -> Fit:
         if device.type != "cpu":
@@ -116,7 +117,7 @@ class _GemmKernel:
 
     def eligible(self, rows: int, weights: Weights) -> Fit:
         if self.int8:
-            return int8_limbs_hold(weights.act_bits)
+            return int8_limbs_hold(weights.act_bits, self.act_limbs)
         return yes("any widths (int64 products, 32-bit activations too)")
 
     def prepare(self, weights: Weights) -> FoldedWeights:
@@ -157,11 +158,13 @@ def accumulate_float64(qa: torch.Tensor, weights: Float64Weights) -> torch.Tenso
 
 class _Float64Kernel:
     """Any activation width on the CPU, 32 bits included: two exact float64 GEMMs
-    (accumulate_float64), the one rounding by formats. After the int8 kernels, which carry at
-    most 16 bits; the int64 matmul takes what it does not hold (K and spread past 2**53)."""
+    (accumulate_float64), the one rounding by formats. After the int8 kernels, of which only
+    the C kernel carries 32 bits; the int64 matmul takes what it does not hold (K and spread past
+    2**53)."""
 
     name, family, layout, auto, min_rows, grouped = "float64-gemm", "cpu", "float64", True, 0, \
         False
+    act_limbs = 0  # no int8 limbs: qa in two 16-bit halves
 
     def available(self, device: torch.device) -> Fit:
         if device.type != "cpu":

@@ -10,17 +10,22 @@
 // exact_linear_vnni's accumulation, per group of 32: int8 dots with AVX-512 VNNI (vpdpbusd,
 // u8 x s8 -> s32, 64 products per instruction, never saturating) on the activation limbs biased
 // by +128 to make them unsigned, corrected exactly once per group:
-//     D' = sum (limb + 128) * q, |D'| <= 32 * 255 * 128 < 2**31 (proofs: vnni-dot)
-//     P = 256 * D'_hi + (D'_lo - 32768 * sum_k q)  (two limbs: 16-bit activations)
-//     P = D'_lo - 128 * sum_k q                    (one limb)    (proofs: vnni-recombine)
-// where the low limb's sum starts at the correction instead of 0; then T += P * c in int64
-// (c = ms << shift, an int32: vpmuldq's signed 32 x 32 -> 64 is exact).
+//     D'_j = sum (limb_j + 128) * q, |D'_j| <= 32 * 255 * 128 < 2**31 (proofs: vnni-dot)
+//     P = D'_0 - 128 * sum_k q                              (one limb)
+//     P = 256 * D'_1 + (D'_0 - 32768 * sum_k q)             (two: 16-bit activations)
+//     P = 2**16 * P_hi + P_lo, P_hi = 256 * D'_3 + (D'_2 - 32768 * sum_k q),
+//                              P_lo = 256 * D'_1 + D'_0      (four: 32-bit activations)
+// (proofs: vnni-recombine, vnni-four-limbs), where the corrected limb's sum starts at the
+// correction instead of 0; then T += P * c in int64 (c = ms << shift, an int32: vpmuldq's signed
+// 32 x 32 -> 64 is exact), with four limbs as (P_hi * c << 16) + P_lo * c (vnni-four-limb-terms).
+// The limbs are the bytes of qa + 2**(8 L - 1) (native.biased_limbs), L = 1, 2 or 4.
 // Layouts: weights in blocks of 16 rows, [Np/16][K/4][16][4] int8, or, when every weight fits 4
 // bits, [Np/16][K/8][16][4] bytes holding the 4-bit pairs (q_j + 8) | (q_{j+1} + 8) << 4 of
 // consecutive 4-k steps j, j + 1 (half the bytes to stream). Lane 2i of block b is weight row
 // 16 b + i and lane 2i + 1 is row 16 b + 8 + i, so vpmuldq's even lanes (and the odd ones,
 // shifted down) are 8 rows each in natural order. wsum [G][Np] int32 in that lane order;
-// c [G][Np] int32 in row order; lo, hi [M][K] uint8 (limb + 128); t [M][Np] int64.
+// c [G][Np] int32 in row order; the limbs [L][M][K] uint8 (limb + 128: `plane` bytes from one
+// limb to the next); t [M][Np] int64.
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -35,6 +40,8 @@
 // CALL(R, ...) for the `rows` (1..TILE_ROWS) activation rows of a tile, R a compile-time constant
 // for i in 0 .. rows - 1, unrolled whole: GCC otherwise keeps per-row arrays of sums on the stack
 #define FOR_ROWS(i) _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++)
+// likewise for the `limbs` (1, 2 or 4, a compile-time constant) of an activation
+#define FOR_LIMBS(l) _Pragma("GCC unroll 4") for (int l = 0; l < limbs; l++)
 #define BY_ROWS(rows, CALL, ...)                         \
     switch (rows) {                                      \
         case 1: CALL(1, __VA_ARGS__); break;             \
@@ -153,24 +160,30 @@ ALWAYS_INLINE void finish(Out o, int i, int64_t n0, int64_t Np, __m512i even, __
     }
 }
 
-// T for `rows` activation rows (a compile-time constant at every call; row i's limbs at lo[i] and
-// hi[i]) against weight block wb, whose first column is n0.
-ALWAYS_INLINE void tile(const uint8_t *const *lo, const uint8_t *const *hi, const uint8_t *wb,
+// A group's P * c in int64 lanes from four limbs' P_hi and P_lo (int32 in the even lanes):
+// (P_hi * c << 16) + P_lo * c, each product an exact vpmuldq.
+ALWAYS_INLINE __m512i four_limb_term(__m512i p_hi, __m512i p_lo, __m512i c) {
+    return _mm512_add_epi64(_mm512_slli_epi64(_mm512_mul_epi32(p_hi, c), 16),
+                            _mm512_mul_epi32(p_lo, c));
+}
+
+// T for `rows` activation rows (a compile-time constant at every call; row i's limb l at
+// a[i] + l * plane) against weight block wb, whose first column is n0.
+ALWAYS_INLINE void tile(const uint8_t *const *a, int64_t plane, const uint8_t *wb,
                         const int32_t *wsum, const int32_t *c, Out o, int64_t n0, int64_t K,
-                        int64_t Np, const int rows, const int two, const int nibbles) {
+                        int64_t Np, const int rows, const int limbs, const int nibbles) {
     const __m512i low4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
     __m512i acc_even[TILE_ROWS], acc_odd[TILE_ROWS];
     FOR_ROWS(i) acc_even[i] = acc_odd[i] = _mm512_setzero_si512();
+    // the limb whose sum carries the bias correction: the low one, or the high pair's low one
+    const int corrected = limbs == 4 ? 2 : 0;
     for (int64_t g = 0; g < K / 32; g++) {
-        __m512i d_lo[TILE_ROWS], d_hi[TILE_ROWS];
-        // the correction starts the low limb's sum, so it costs a register move, not an add
+        __m512i d[4][TILE_ROWS];
+        // the correction starts that limb's sum, so it costs a register move, not an add
         const __m512i wsum_g = _mm512_loadu_si512(wsum + g * Np);
         const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                               _mm512_slli_epi32(wsum_g, two ? 15 : 7));
-        FOR_ROWS(i) {
-            d_lo[i] = start;
-            d_hi[i] = _mm512_setzero_si512();
-        }
+                                               _mm512_slli_epi32(wsum_g, limbs == 1 ? 7 : 15));
+        FOR_ROWS(i) FOR_LIMBS(l) d[l][i] = l == corrected ? start : _mm512_setzero_si512();
         for (int j = 0; j < 8; j += 2) {
             __m512i wv[2];
             if (nibbles) {
@@ -183,11 +196,9 @@ ALWAYS_INLINE void tile(const uint8_t *const *lo, const uint8_t *const *hi, cons
             }
             for (int h = 0; h < 2; h++) {
                 const int64_t k = g * 32 + (j + h) * 4;
-                FOR_ROWS(i) {
-                    d_lo[i] = _mm512_dpbusd_epi32(d_lo[i], broadcast4(lo[i] + k), wv[h]);
-                    if (two) {
-                        d_hi[i] = _mm512_dpbusd_epi32(d_hi[i], broadcast4(hi[i] + k), wv[h]);
-                    }
+                FOR_ROWS(i) FOR_LIMBS(l) {
+                    d[l][i] = _mm512_dpbusd_epi32(d[l][i], broadcast4(a[i] + l * plane + k),
+                                                  wv[h]);
                 }
             }
         }
@@ -195,8 +206,17 @@ ALWAYS_INLINE void tile(const uint8_t *const *lo, const uint8_t *const *hi, cons
         const __m512i c_even = _mm512_cvtepi32_epi64(_mm256_loadu_si256(cg));
         const __m512i c_odd = _mm512_cvtepi32_epi64(_mm256_loadu_si256(cg + 1));
         FOR_ROWS(i) {
-            __m512i p = d_lo[i];
-            if (two) p = _mm512_add_epi32(_mm512_slli_epi32(d_hi[i], 8), p);
+            if (limbs == 4) {
+                const __m512i p_hi = _mm512_add_epi32(_mm512_slli_epi32(d[3][i], 8), d[2][i]);
+                const __m512i p_lo = _mm512_add_epi32(_mm512_slli_epi32(d[1][i], 8), d[0][i]);
+                acc_even[i] = _mm512_add_epi64(acc_even[i], four_limb_term(p_hi, p_lo, c_even));
+                acc_odd[i] = _mm512_add_epi64(
+                    acc_odd[i], four_limb_term(_mm512_srli_epi64(p_hi, 32),
+                                               _mm512_srli_epi64(p_lo, 32), c_odd));
+                continue;
+            }
+            __m512i p = d[0][i];
+            if (limbs == 2) p = _mm512_add_epi32(_mm512_slli_epi32(d[1][i], 8), p);
             acc_even[i] = _mm512_add_epi64(acc_even[i], _mm512_mul_epi32(p, c_even));
             acc_odd[i] = _mm512_add_epi64(acc_odd[i],
                                           _mm512_mul_epi32(_mm512_srli_epi64(p, 32), c_odd));
@@ -219,32 +239,36 @@ static inline Out tile_out(int64_t *t, void *y, const int64_t *e_r, const int64_
     type name[TILE_ROWS];                                   \
     for (int i = 0; i < TILE_ROWS; i++) name[i] = (base) + (row_of) * K
 
-#define TILE(R, TWO, NIB) \
-    tile(a_lo, a_hi, wb, wsum + b * 16, c + b * 16, o, b * 16, K, Np, R, TWO, NIB)
-#define TILES(TWO, NIB) BY_ROWS(rows, TILE, TWO, NIB)
+#define TILE(R, LIMBS, NIB) \
+    tile(a_rows, plane, wb, wsum + b * 16, c + b * 16, o, b * 16, K, Np, R, LIMBS, NIB)
+#define TILES(LIMBS, NIB) BY_ROWS(rows, TILE, LIMBS, NIB)
+// every (limbs, nibbles) the limb kernel takes, each a kernel of its own
+#define LIMB_TILES(limbs, nibbles)                                   \
+    if (limbs == 4 && nibbles) TILES(4, 1) else if (limbs == 4) TILES(4, 0)    \
+    else if (limbs == 2 && nibbles) TILES(2, 1) else if (limbs == 2) TILES(2, 0) \
+    else if (nibbles) TILES(1, 1) else TILES(1, 0)
 
-// T [M, Np] into t, or (y not NULL) the rounded output y [M, N] (see Out).
-void exact_linear_vnni(const uint8_t *lo, const uint8_t *hi, const uint8_t *w,
-                       const int32_t *wsum, const int32_t *c, int64_t *t,
-                       int64_t M, int64_t K, int64_t Np, int two, int nibbles,
-                       void *y, const int64_t *e_r, const int64_t *emin, int64_t N, int mant,
-                       int expo) {
+// T [M, Np] into t, or (y not NULL) the rounded output y [M, N] (see Out), from the `limbs`
+// limbs [L][M][K] of the activations.
+void exact_linear_vnni(const uint8_t *limb_planes, const uint8_t *w, const int32_t *wsum,
+                       const int32_t *c, int64_t *t, int64_t M, int64_t K, int64_t Np, int limbs,
+                       int nibbles, void *y, const int64_t *e_r, const int64_t *emin, int64_t N,
+                       int mant, int expo) {
+    const int64_t plane = M * K;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < Np / 16; b++) {
         const uint8_t *wb = w + b * K * (nibbles ? 8 : 16);
         for (int64_t r = 0; r < M; r += TILE_ROWS) {
             const int64_t rows = M - r < TILE_ROWS ? M - r : TILE_ROWS;
-            ROW_POINTERS(const uint8_t *, a_lo, lo, r + (i < rows ? i : 0));
-            ROW_POINTERS(const uint8_t *, a_hi, hi, r + (i < rows ? i : 0));
+            ROW_POINTERS(const uint8_t *, a_rows, limb_planes, r + (i < rows ? i : 0));
             const Out o = tile_out(t, y, e_r, emin, r, N, N, Np, mant, expo);
-            if (two && nibbles) TILES(1, 1) else if (two) TILES(1, 0)
-            else if (nibbles) TILES(0, 1) else TILES(0, 0)
+            LIMB_TILES(limbs, nibbles)
         }
     }
 }
 
 // 16-bit activations against 4-bit weights, per span of groups (exact_linear_spans): the
-// activations whole, as int16 (quantize_limbs mode 2), against s16 weights with the scales folded
+// activations whole, as int16 (quantize_limbs mode 0), against s16 weights with the scales folded
 // in, q * f, expanded per block of 16 weight rows into a scratch [K/4][2][16][2] int16: for each
 // 4-k step, the pairs (k0, k2) and (k1, k3) of every lane (lanes in LANE_ROWS order, as above).
 // vpdpwssd (s16 x s16, pairs summed into s32, wrapping) sums each row's pairs (k0, k2) and
@@ -445,13 +469,14 @@ ALWAYS_INLINE __m256i scaled_integers(__m256 v, __m512d scale) {
     return _mm512_cvt_roundpd_epi32(exact, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
-// qa = RNE(x * 2**-e_r[r]), stored by `mode`: 0 and 1, dataflow.activation_limbs biased by +128:
-// one limb qa + 128 (0), or lo + 128 = qa & 255 and hi + 128 = (qa >> 8) + 128, from
-// qa - 128 = hi * 256 + lo (1); 2, qa itself as int16 into lo, in each 4 k the order 0, 2, 1, 3
-// (exact_linear_spans' pairs). K is a multiple of 32.
+// qa = RNE(x * 2**-e_r[r]), stored into `out` by `mode`: 1, 2 or 4, that many limbs
+// [mode][M][K], dataflow.activation_limbs biased by +128, which are the bytes of
+// qa + 2**(8 mode - 1), lowest first; 0, qa itself as int16 [M][K], in each 4 k the order
+// 0, 2, 1, 3 (exact_linear_spans' pairs). K is a multiple of 32.
 void quantize_limbs(const void *x, int format, int64_t M, int64_t K, const int64_t *e_r,
-                    uint8_t *lo, uint8_t *hi, int mode) {
-    const __m512i bias = _mm512_set1_epi32(128), byte = _mm512_set1_epi32(255);
+                    uint8_t *out, int mode) {
+    // 2**(8 mode - 1), added mod 2**32: at mode 4, qa + 2**31 as an unsigned pattern
+    const __m512i bias = _mm512_set1_epi32((int32_t)(1u << (8 * (mode ? mode : 1) - 1)));
     const __m512i pairs = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < M; r++) {
@@ -462,16 +487,15 @@ void quantize_limbs(const void *x, int format, int64_t M, int64_t K, const int64
             const __m512i qa = _mm512_inserti64x4(
                 _mm512_castsi256_si512(scaled_integers(_mm512_castps512_ps256(v), scale)),
                 scaled_integers(_mm512_extractf32x8_ps(v, 1), scale), 1);
-            if (mode == 2) {
-                _mm256_storeu_si256((__m256i *)((int16_t *)lo + k),
+            if (mode == 0) {
+                _mm256_storeu_si256((__m256i *)((int16_t *)out + k),
                                     _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(pairs, qa)));
                 continue;
             }
-            const __m512i low = mode ? _mm512_and_si512(qa, byte) : _mm512_add_epi32(qa, bias);
-            _mm_storeu_si128((__m128i *)(lo + k), _mm512_cvtepi32_epi8(low));
-            if (mode) {
-                const __m512i high = _mm512_add_epi32(_mm512_srai_epi32(qa, 8), bias);
-                _mm_storeu_si128((__m128i *)(hi + k), _mm512_cvtepi32_epi8(high));
+            const __m512i biased = _mm512_add_epi32(qa, bias);
+            for (int l = 0; l < mode; l++) {  // vpmovdb keeps each lane's low byte
+                _mm_storeu_si128((__m128i *)(out + l * M * K + k),
+                                 _mm512_cvtepi32_epi8(_mm512_srli_epi32(biased, 8 * l)));
             }
         }
     }
@@ -529,8 +553,8 @@ typedef struct {
 // blocks, and every expert's work is split evenly, however unevenly the rows are routed. An
 // expert takes the span kernel where spans[e] asks and its layer holds span scales, else the
 // limb kernel (exact_grouped quantizes x for both where that can happen).
-static void grouped_tiles(const Grouped *gr, const int16_t *words, const uint8_t *lo,
-                          const uint8_t *hi, int two, const int64_t *e_rows, void *y, int mant,
+static void grouped_tiles(const Grouped *gr, const int16_t *words, const uint8_t *limb_planes,
+                          int64_t plane, int limbs, const int64_t *e_rows, void *y, int mant,
                           int expo) {
     const Layer *first = gr->layers[0];
     const int64_t K = first->K, Np = first->Np, N = first->N, G = K / 32, ld = gr->parts * N;
@@ -562,10 +586,8 @@ static void grouped_tiles(const Grouped *gr, const int16_t *words, const uint8_t
                         } else {
                             const uint8_t *wb = L->w + b * K * (L->nibbles ? 8 : 16);
                             const int32_t *wsum = L->wsum, *c = L->c;
-                            ROW_POINTERS(const uint8_t *, a_lo, lo, ROW(i));
-                            ROW_POINTERS(const uint8_t *, a_hi, hi, ROW(i));
-                            if (two && L->nibbles) TILES(1, 1) else if (two) TILES(1, 0)
-                            else if (L->nibbles) TILES(0, 1) else TILES(0, 0)
+                            ROW_POINTERS(const uint8_t *, a_rows, limb_planes, ROW(i));
+                            LIMB_TILES(limbs, L->nibbles)
                         }
 #undef ROW
                     }
@@ -580,13 +602,14 @@ static void grouped_tiles(const Grouped *gr, const int16_t *words, const uint8_t
 // native.grouped (and native.linear, one expert of one part) in one call (Python between the
 // passes cost more than the passes' own bookkeeping, measured): x [M, K] (format 0 bf16, 1 fp16,
 // 2 fp32, of mant_x and expo_x bits) quantized once, as the words the span kernel reads and the
-// limbs the limb kernel reads (quantize_limbs modes 2 and `two`), each only where an expert reads
-// it; then every expert's routed rows, rounded once into y (mant, expo). The quantized x goes
-// into `scratch` where its scratch_bytes hold it (a caller that keeps one across calls saves the
-// page faults of a fresh allocation), else into one of its own. Returns how many rows of x hold a non-finite value (y unwritten then), or -1
-// when a scratch could not be allocated.
+// `limbs` limbs the limb kernel reads (quantize_limbs modes 0 and `limbs`), each only where an
+// expert reads it; then every expert's routed rows, rounded once into y (mant, expo). The
+// quantized x goes into `scratch` where its scratch_bytes hold it (a caller that keeps one across
+// calls saves the page faults of a fresh allocation), else into one of its own. Returns how many
+// rows of x hold a non-finite value (y unwritten then), or -1 when a scratch could not be
+// allocated.
 int64_t exact_grouped(const Grouped *gr, const void *x, int format, int mant_x, int expo_x,
-                      int64_t qmax, int two, int64_t M, void *y, int mant, int expo,
+                      int64_t qmax, int limbs, int64_t M, void *y, int mant, int expo,
                       uint8_t *scratch, int64_t scratch_bytes) {
     const int64_t K = gr->layers[0]->K, rows = gr->offsets[gr->experts];
     // words where an expert asks for the span kernel; limbs where one does not, or where a layer
@@ -601,19 +624,18 @@ int64_t exact_grouped(const Grouped *gr, const void *x, int format, int mant_x, 
     // on 64 bytes (malloc's 16 measured 0.1 ms slower): in the caller's scratch where it holds
     // both (native.scratch_bytes), else allocated here
     const int64_t words_bytes = any_spans ? (M * K * 2 + 63) / 64 * 64 : 0;
-    const int64_t limbs_bytes = any_limbs ? (M * K * (two ? 2 : 1) + 63) / 64 * 64 : 0;
+    const int64_t limbs_bytes = any_limbs ? (M * K * limbs + 63) / 64 * 64 : 0;
     const int own = !scratch || scratch_bytes < words_bytes + limbs_bytes;
     uint8_t *block = own ? aligned_alloc(64, words_bytes + limbs_bytes + 64) : scratch;
     int16_t *words = any_spans && block ? (int16_t *)block : NULL;
-    uint8_t *lo = any_limbs && block ? block + words_bytes : NULL;
+    uint8_t *planes = any_limbs && block ? block + words_bytes : NULL;
     int64_t *e_r = malloc(M * sizeof(int64_t)), *e_rows = malloc(rows * sizeof(int64_t));
     int64_t bad = e_r && e_rows && block ? row_exponents(x, mant_x, expo_x, qmax, M, K, e_r) : -1;
     if (bad == 0) {
-        uint8_t *hi = two && lo ? lo + M * K : lo;
-        if (words) quantize_limbs(x, format, M, K, e_r, (uint8_t *)words, (uint8_t *)words, 2);
-        if (lo) quantize_limbs(x, format, M, K, e_r, lo, hi, two);
+        if (words) quantize_limbs(x, format, M, K, e_r, (uint8_t *)words, 0);
+        if (planes) quantize_limbs(x, format, M, K, e_r, planes, limbs);
         for (int64_t r = 0; r < rows; r++) e_rows[r] = e_r[gr->source ? gr->source[r] : r];
-        grouped_tiles(gr, words, lo, hi, two, e_rows, y, mant, expo);
+        grouped_tiles(gr, words, planes, M * K, limbs, e_rows, y, mant, expo);
     }
     free(e_r);
     free(e_rows);

@@ -266,10 +266,10 @@ def _load(data: bytes, cache: Path) -> tuple[ctypes.CDLL | None, Fit]:
             os.unlink(copy)
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     signatures = {
-        "exact_linear_vnni": [ptr] * 6 + [i64] * 3 + [i32] * 2 + [ptr] * 3 + [i64] + [i32] * 2,
+        "exact_linear_vnni": [ptr] * 5 + [i64] * 3 + [i32] * 2 + [ptr] * 3 + [i64] + [i32] * 2,
         "exact_linear_spans": [ptr] * 7 + [i64] * 3 + [ptr] * 3 + [i64] + [i32] * 2,
         "row_exponents": [ptr, i32, i32, i64, i64, i64, ptr],
-        "quantize_limbs": [ptr, i32, i64, i64, ptr, ptr, ptr, i32],
+        "quantize_limbs": [ptr, i32, i64, i64, ptr, ptr, i32],
         "round_rows": [ptr, i64, ptr, ptr, i64, i64, i32, i32, ptr],
         "exact_grouped": [ptr, ptr, i32, i32, i32, i64, i32, i64, ptr, i32, i32, ptr, i64],
     }
@@ -412,15 +412,15 @@ def span_scales(c: torch.Tensor, w: torch.Tensor, k: int):
 
 
 def quantize_mode(act_bits: int, words: bool) -> int:
-    """cpu_vnni.c's quantize_limbs mode: 2, int16 words for the span kernel; else the limbs
-    exact_linear_vnni takes, 1 (two) or 0 (one)."""
-    return 2 if words else int(dataflow.act_limbs(act_bits) == 2)
+    """cpu_vnni.c's quantize_limbs mode: 0, int16 words for the span kernel; else how many limbs
+    exact_linear_vnni takes (1, 2 or 4)."""
+    return 0 if words else dataflow.act_limbs(act_bits)
 
 
 def quantize(x: torch.Tensor, act_bits: int, lib=None, words: bool = False):
-    """(lo, hi, e_r): x [M, K] as cpu_vnni.c's biased limbs [M, K] uint8 (hi is lo for one-limb
-    activations), or with `words` qa itself as int16 in exact_linear_spans' order (lo and hi
-    both), and the row exponents e_r [M] int64 (contract section 3). Raises NonFiniteError
+    """(a, e_r): x [M, K] as cpu_vnni.c's biased limbs a [L, M, K] uint8 (dataflow.biased_limbs),
+    or with `words` qa itself as int16 [M, K] in exact_linear_spans' order (16 bits at most),
+    and the row exponents e_r [M] int64 (contract section 3). Raises NonFiniteError
     (formats.check_finite) if x holds a non-finite value."""
     lib = lib or library()
     fmt = float_format(x.dtype)
@@ -430,22 +430,28 @@ def quantize(x: torch.Tensor, act_bits: int, lib=None, words: bool = False):
     if lib.row_exponents(x.data_ptr(), fmt.mant_bits, fmt.exp_bits, act_qmax(act_bits), m, k,
                          e_r.data_ptr()):
         check_finite(float_bits(x), fmt, "x")
+    if words and act_qmax(act_bits) > 2**15 - 1:
+        raise ContractValueError(f"int16 words hold 16-bit activations at most, not act_bits "
+                                 f"{act_bits}")
     mode = quantize_mode(act_bits, words)
-    lo = torch.empty((m, k), dtype=torch.int16 if words else torch.uint8)
-    hi = torch.empty((m, k), dtype=torch.uint8) if mode == 1 else lo
-    lib.quantize_limbs(x.data_ptr(), FORMAT_CODES[fmt.name], m, k, e_r.data_ptr(), lo.data_ptr(),
-                       hi.data_ptr(), mode)
-    return lo, hi, e_r
+    a = torch.empty((m, k) if words else (mode, m, k), dtype=torch.int16 if words else torch.uint8)
+    lib.quantize_limbs(x.data_ptr(), FORMAT_CODES[fmt.name], m, k, e_r.data_ptr(), a.data_ptr(),
+                       mode)
+    return a, e_r
 
 
-def accumulate(lo: torch.Tensor, hi: torch.Tensor, act_bits: int, weights: NativeWeights,
-               lib=None, rounding: tuple | None = None, spans: bool = False) -> torch.Tensor:
-    """T [M, Np] int64 (padded columns are 0) from the biased limbs (or, with `spans`, from
-    quantize's words through exact_linear_spans); or, with `rounding` = (e_r, emin,
-    out_format), y [M, N] in out_format: T rounded in the kernel's registers, the same rounding
-    as round_rows."""
+def accumulate(a: torch.Tensor, act_bits: int, weights: NativeWeights, lib=None,
+               rounding: tuple | None = None, spans: bool = False) -> torch.Tensor:
+    """T [M, Np] int64 (padded columns are 0) from the biased limbs a [L, M, K] (or, with
+    `spans`, from quantize's words [M, K] through exact_linear_spans); or, with `rounding` =
+    (e_r, emin, out_format), y [M, N] in out_format: T rounded in the kernel's registers, the
+    same rounding as round_rows."""
     lib = lib or library()
-    m = lo.shape[0]
+    if not spans and a.shape[0] != dataflow.act_limbs(act_bits):
+        raise ValueError(f"act_bits {act_bits} takes {dataflow.act_limbs(act_bits)} limbs, "
+                         f"got {a.shape[0]}")
+    a = a.contiguous()
+    m = a.shape[-2]
     t = y = e_r = emin = None
     fmt = rounding[2] if rounding else float_format("float32")
     if rounding:
@@ -459,14 +465,13 @@ def accumulate(lo: torch.Tensor, hi: torch.Tensor, act_bits: int, weights: Nativ
     t_ptr = t.data_ptr() if t is not None else None
     if spans:
         f, rsh, ends, unshifted = weights.spans
-        lib.exact_linear_spans(lo.data_ptr(), weights.w.data_ptr(), f.data_ptr(), rsh.data_ptr(),
+        lib.exact_linear_spans(a.data_ptr(), weights.w.data_ptr(), f.data_ptr(), rsh.data_ptr(),
                                ends.data_ptr(), unshifted.data_ptr(), t_ptr, m, weights.k,
                                weights.np, *out)
     else:
-        lib.exact_linear_vnni(lo.data_ptr(), hi.data_ptr(), weights.w.data_ptr(),
-                              weights.wsum.data_ptr(), weights.c.data_ptr(), t_ptr, m, weights.k,
-                              weights.np, int(dataflow.act_limbs(act_bits) == 2),
-                              int(weights.nibbles), *out)
+        lib.exact_linear_vnni(a.data_ptr(), weights.w.data_ptr(), weights.wsum.data_ptr(),
+                              weights.c.data_ptr(), t_ptr, m, weights.k, weights.np,
+                              dataflow.act_limbs(act_bits), int(weights.nibbles), *out)
     return y if rounding else t
 
 
@@ -492,7 +497,8 @@ def linear(x: torch.Tensor, act_bits: int, weights: NativeWeights, emin: torch.T
 
 
 def scratch_bytes(rows: int, k: int) -> int:
-    """The most bytes exact_grouped's quantized x [rows, K] takes: words and two limbs."""
+    """The most bytes exact_grouped's quantized x [rows, K] takes: words and two limbs (16-bit
+    activations), or four limbs (32-bit ones)."""
     return 2 * (rows * k * 2 + 63) // 64 * 64
 
 
@@ -528,7 +534,7 @@ def grouped(x: torch.Tensor, act_bits: int, experts, spans, offsets, source: tor
                    len(experts), parts)
     bad = lib.exact_grouped(ctypes.byref(call), x.data_ptr(), FORMAT_CODES[fmt.name],
                             fmt.mant_bits, fmt.exp_bits, act_qmax(act_bits),
-                            int(dataflow.act_limbs(act_bits) == 2), x.shape[0], y.data_ptr(),
+                            dataflow.act_limbs(act_bits), x.shape[0], y.data_ptr(),
                             out_format.mant_bits, out_format.exp_bits,
                             None if scratch is None else scratch.data_ptr(),
                             0 if scratch is None else scratch.numel())
@@ -537,6 +543,12 @@ def grouped(x: torch.Tensor, act_bits: int, experts, spans, offsets, source: tor
     if bad:
         check_finite(float_bits(x), fmt, "x")  # raises, with the count and the first index
     return y
+
+
+def biased_limbs(qa: torch.Tensor, act_bits: int) -> torch.Tensor:
+    """quantize_limbs' twin: qa [M, K] as exact_linear_vnni's limbs [L, M, K] uint8,
+    dataflow.activation_limbs plus 128 (the bytes of qa + 2**(8 L - 1), lowest first)."""
+    return (dataflow.activation_limbs(qa, act_bits).to(torch.int16) + 128).to(torch.uint8)
 
 
 def span_order(qa: torch.Tensor) -> torch.Tensor:
@@ -556,20 +568,20 @@ def _self_check(lib) -> Fit:
     from ..formats import bits_to_tensor, round_scaled_array
 
     g = torch.Generator().manual_seed(0)
-    for act_bits in (4, 8, 16):
+    for act_bits in (4, 8, 16, 32):
         for fmt in FORMATS.values():
             bits = torch.randint(0, 1 << fmt.width, (5, 64), generator=g)
             bits[1] >>= torch.randint(0, fmt.width, (64,), generator=g)  # wide row ranges
             bits = torch.where(((bits >> fmt.mant_bits) & fmt.exp_max_field) == fmt.exp_max_field,
                                bits & fmt.sign_bit, bits)  # finite only
             bits[2], bits[3, 5] = 0, fmt.inf_bits - 1  # a zero row, the largest finite value
-            lo, hi, e_r = quantize(bits_to_tensor(bits, fmt), act_bits, lib)
+            limbs, e_r = quantize(bits_to_tensor(bits, fmt), act_bits, lib)
             qa, want_e = quantize_activations(bits, fmt, act_bits)
-            limbs = (dataflow.activation_limbs(qa, act_bits).to(torch.int16) + 128).to(torch.uint8)
-            words, _, _ = quantize(bits_to_tensor(bits, fmt), act_bits, lib, words=True)
-            for what, got, want in (("row exponents", e_r, want_e), ("low limbs", lo, limbs[0]),
-                                    ("high limbs", hi, limbs[-1]),
-                                    ("span-order words", words, span_order(qa))):
+            checks = [("row exponents", e_r, want_e), ("limbs", limbs, biased_limbs(qa, act_bits))]
+            if act_bits <= 16:
+                words, _ = quantize(bits_to_tensor(bits, fmt), act_bits, lib, words=True)
+                checks.append(("span-order words", words, span_order(qa)))
+            for what, got, want in checks:
                 if not torch.equal(got, want):
                     return no(f"its self-check failed on the quantization's {what} "
                               f"(act_bits {act_bits}, {fmt.name} x)")
@@ -583,29 +595,30 @@ def _self_check(lib) -> Fit:
             q[0] = -(2 ** (w_bits - 1))
             qa = torch.randint(-qmax, qmax + 1, (m, 256), generator=g)
             qa[0] = -qmax
-            limbs = dataflow.activation_limbs(qa, act_bits).to(torch.int16) + 128
-            limbs = limbs.to(torch.uint8)
+            qa[1, :32] = qmax  # a whole group at each end: every limb at its extremes
             ms = torch.randint(1 - ms_max, ms_max, (37, 8), generator=g, dtype=torch.int32)
             if q_max == 8:
                 ms[0] = 255  # |q * ms| at its largest: one-group spans
+            # at most the spread whose T fits int64 (below 12 only for 32-bit activations)
+            sh_max = min(sh_max, dataflow.max_safe_spread(256, w_bits, act_bits))
             sh = torch.randint(0, sh_max + 1, (37, 8), generator=g, dtype=torch.int32)
+            sh[1] = sh_max
             weights = NativeWeights(q, ms << sh)
             p = (qa.view(m, 1, 8, 32) * q.view(1, 37, 8, 32)).sum(-1)
             want = ((p * ms.long()) << sh.long()).sum(-1)
             e_r, emin = torch.randint(-160, 10, (m,), generator=g), torch.randint(-9, 9, (37,),
                                                                                  generator=g)
-            kernels = [(limbs[0], limbs[-1], False)]
+            kernels = [(biased_limbs(qa, act_bits), False)]
             if act_bits == 16 and w_bits == 4:
-                words = span_order(qa)
-                kernels.append((words, words, True))
-            for lo, hi, spans in kernels:
-                got = accumulate(lo, hi, act_bits, weights, lib, spans=spans)
+                kernels.append((span_order(qa), True))
+            for a, spans in kernels:
+                got = accumulate(a, act_bits, weights, lib, spans=spans)
                 where = (f"{'exact_linear_spans' if spans else 'exact_linear_vnni'}, "
                          f"{w_bits}-bit weights, {m} rows, act_bits {act_bits}")
                 if not torch.equal(got[:, :37], want):
                     return no(f"its self-check failed on the accumulation ({where})")
                 for fmt in FORMATS.values():  # the rounding in the kernel's registers
-                    y = accumulate(lo, hi, act_bits, weights, lib, (e_r, emin, fmt), spans)
+                    y = accumulate(a, act_bits, weights, lib, (e_r, emin, fmt), spans)
                     if not torch.equal(float_bits(y), round_scaled_array(want, e_r[:, None]
                                                                          + emin[None, :], fmt)):
                         return no(f"its self-check failed on the fused rounding to {fmt.name} "
@@ -614,7 +627,7 @@ def _self_check(lib) -> Fit:
     # (checked above); one group too (fewer than a tile's rows: the span kernel's rounding of the
     # tile before then waits past the tile's end)
     for k, act_bits, m in ((256, 16, SPAN_MIN_ROWS), (32, 16, SPAN_MIN_ROWS + 2), (256, 16, 3),
-                           (256, 8, 5)):
+                           (256, 8, 5), (256, 32, 6)):
         q = torch.randint(-8, 8, (37, k), generator=g)
         ms = torch.randint(-255, 256, (37, k // 32), generator=g, dtype=torch.int32)
         weights = NativeWeights(q, ms << torch.randint(0, 2, ms.shape, generator=g,
@@ -622,15 +635,15 @@ def _self_check(lib) -> Fit:
         emin = torch.randint(-9, 9, (37,), generator=g)
         for fmt in FORMATS.values():
             x = torch.randn(m, k, generator=g).to(torch_dtype(fmt))
-            lo, hi, e_r = quantize(x, act_bits, lib)
-            want = accumulate(lo, hi, act_bits, weights, lib, (e_r, emin, fmt))
+            limbs, e_r = quantize(x, act_bits, lib)
+            want = accumulate(limbs, act_bits, weights, lib, (e_r, emin, fmt))
             spans = act_bits == 16 and m >= SPAN_MIN_ROWS
             if not torch.equal(linear(x, act_bits, weights, emin, fmt, lib, spans), want):
                 return no(f"its self-check failed on the one-call path (exact_grouped, K = {k}, "
                           f"{m} rows, act_bits {act_bits}, {fmt.name})")
     # a grouped call of three experts of two parts (the span kernel for one of them), rows
     # gathered from x in another order, against the one-call path on each expert's own rows
-    for act_bits in (16, 8):
+    for act_bits in (16, 8, 32):
         layers = [[(NativeWeights(torch.randint(-8, 8, (20, 64), generator=g),
                                   torch.randint(-255, 256, (20, 2), generator=g,
                                                 dtype=torch.int32)),
@@ -678,6 +691,7 @@ class _VnniKernel:
     kernel."""
 
     family, layout, auto, grouped = "cpu", "vnni", True, False
+    act_limbs = dataflow.VNNI_ACT_LIMBS
 
     def __init__(self, name: str, spans: bool, min_rows: int):
         self.name, self.spans, self.min_rows = name, spans, min_rows
@@ -691,7 +705,7 @@ class _VnniKernel:
         return why
 
     def eligible(self, rows: int, weights: Weights) -> Fit:
-        held = int8_limbs_hold(weights.act_bits)
+        held = int8_limbs_hold(weights.act_bits, self.act_limbs)
         if not held:
             return held
         if self.spans and not (weights.act_bits == 16 and weights.bits == 4):
@@ -735,7 +749,7 @@ class _VnniGroupedKernel(_VnniKernel):
         order already). With a `workspace` (moe.Workspace), y and the quantized x are its
         buffers, which its next use overwrites. Raises NonFiniteError for a non-finite x, and
         KernelUnavailableError for activations wider than its limbs."""
-        refuse_unheld(self.name, act_bits)
+        refuse_unheld(self.name, act_bits, self.act_limbs)
         offsets = routing.offsets.tolist()
         active = [e for e, parts in enumerate(experts) if parts is not None]
         spans = [takes_spans(offsets[e + 1] - offsets[e], experts[e][0][0]) for e in active]

@@ -55,13 +55,12 @@ def no(why: str) -> Fit:
     return Fit(False, why)
 
 
-def int8_limbs_hold(act_bits: int) -> Fit:
-    """Whether an int8 kernel holds `act_bits`-bit activations: it carries at most
-    dataflow.KERNEL_ACT_LIMBS int8 limbs of each (32 bits need four)."""
+def int8_limbs_hold(act_bits: int, carried: int = dataflow.KERNEL_ACT_LIMBS) -> Fit:
+    """Whether an int8 kernel that carries at most `carried` int8 limbs of an activation (its
+    `act_limbs`) holds `act_bits`-bit activations (32 bits need four)."""
     limbs = dataflow.act_limbs(act_bits)
-    if limbs > dataflow.KERNEL_ACT_LIMBS:
-        return no(f"act_bits {act_bits} needs {limbs} int8 limbs, it carries at most "
-                  f"{dataflow.KERNEL_ACT_LIMBS}")
+    if limbs > carried:
+        return no(f"act_bits {act_bits} needs {limbs} int8 limbs, it carries at most {carried}")
     return yes(f"act_bits {act_bits} in {limbs} int8 limb(s)")
 
 
@@ -90,6 +89,7 @@ class Kernel(Protocol):
     min_rows: int  # the plan prefers it from this many rows on (measured: docs/PERFORMANCE.md)
     auto: bool  # whether the plan may pick it unasked
     grouped: bool  # whether it also runs an MoE layer's experts in one call (run_grouped)
+    act_limbs: int  # int8 kernels: the most int8 limbs of an activation it carries (else 0)
 
     def available(self, device: torch.device) -> Fit: ...
 
@@ -124,10 +124,10 @@ def by_name(kernels, name: str) -> Kernel:
                              f"{[k.name for k in kernels]}")
 
 
-def refuse_unheld(kernel: str, act_bits: int) -> None:
-    """KernelUnavailableError where an int8 kernel is run on activations wider than its limbs
-    (a grouped kernel called directly, past plan_grouped)."""
-    held = int8_limbs_hold(act_bits)
+def refuse_unheld(kernel: str, act_bits: int, carried: int) -> None:
+    """KernelUnavailableError where an int8 kernel carrying `carried` limbs is run on wider
+    activations (a grouped kernel called directly, past plan_grouped)."""
+    held = int8_limbs_hold(act_bits, carried)
     if not held:
         raise KernelUnavailableError(f"kernel {kernel!r} was run, but {held.why}")
 
@@ -136,27 +136,26 @@ def plan_grouped(kernels, family: str, device: torch.device, act_bits: int,
                  forced: str | None = None) -> Plan:
     """The grouped kernel an MoE layer's experts on `device` take (`forced`: that one, by name),
     or KernelUnavailableError saying why none runs. Every grouped kernel is an int8 kernel, so
-    `act_bits` must fit its limbs (int8_limbs_hold)."""
+    `act_bits` must fit its limbs (int8_limbs_hold of its `act_limbs`)."""
     if forced:
         kernel = by_name(kernels, forced)
         fit = kernel.available(device) if kernel.grouped else no("it is no grouped kernel")
-        fit = fit and int8_limbs_hold(act_bits)
+        fit = fit and int8_limbs_hold(act_bits, kernel.act_limbs)
         if not fit:
             raise KernelUnavailableError(f"kernel {forced!r} was asked for ({ENV}=), but "
                                          f"{fit.why}")
         return Plan(kernel, f"asked for by {ENV}={forced}", 0)
-    held = int8_limbs_hold(act_bits)
-    if not held:
-        raise KernelUnavailableError(f"no grouped {family} kernel holds this: {held.why}")
     passed = []
     for kernel in kernels:
         if not kernel.grouped or kernel.family != family:
             continue
         fit = kernel.available(device)
+        fit = fit and int8_limbs_hold(act_bits, kernel.act_limbs)
         if fit:
             return Plan(kernel, fit.why, 0, tuple(passed))
         passed.append((kernel.name, fit.why))
-    raise KernelUnavailableError(f"no grouped {family} kernel runs here: {passed}")
+    raise KernelUnavailableError(f"no grouped {family} kernel runs here or holds this: "
+                                 f"{'; '.join(f'{name}: {why}' for name, why in passed)}")
 
 
 def plan(kernels, family: str, device: torch.device, rows: int, weights: Weights,

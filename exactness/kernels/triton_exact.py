@@ -514,6 +514,7 @@ class _TritonKernel:
     (rows_per_launch); the non-finite flags are read back once every launch is queued."""
 
     family, layout, auto, grouped = "triton", "triton", True, False
+    act_limbs = dataflow.KERNEL_ACT_LIMBS
 
     def __init__(self, name: str, folded: bool, min_rows: int):
         self.name, self.folded, self.min_rows = name, folded, min_rows
@@ -530,7 +531,7 @@ class _TritonKernel:
         return yes("Triton, interpreted" if device.type == "cpu" else f"Triton on {device}")
 
     def eligible(self, rows: int, weights: Weights) -> Fit:
-        held = int8_limbs_hold(weights.act_bits)
+        held = int8_limbs_hold(weights.act_bits, self.act_limbs)
         if not held:
             return held
         if not self.folded:

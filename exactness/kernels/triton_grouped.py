@@ -188,12 +188,13 @@ class _TritonGroupedKernel:
 
     name, family, layout, min_rows = "triton-grouped", "triton", "triton-grouped", 0
     auto, grouped, reads = False, True, "buffers"
+    act_limbs = dataflow.KERNEL_ACT_LIMBS
 
     def available(self, device: torch.device) -> Fit:
         return triton_exact.GROUP.available(device)
 
     def eligible(self, rows: int, weights: Weights) -> Fit:
-        return int8_limbs_hold(weights.act_bits)
+        return int8_limbs_hold(weights.act_bits, self.act_limbs)
 
     def prepare(self, weights: Weights) -> dict:
         return {}  # per device: weight_shape as a tensor there
@@ -219,7 +220,7 @@ class _TritonGroupedKernel:
         routed row r reads row routing.token[r] of x where `gather`, else row r. Nothing is
         read back: trouble (see grouped_launch) is for the caller to read once. (`workspace` is
         the CPU's: CUDA's caching allocator keeps its memory from one call to the next.)"""
-        refuse_unheld(self.name, act_bits)
+        refuse_unheld(self.name, act_bits, self.act_limbs)
         y, nonfinite, programs = grouped_launch(x, routing, experts, bits, act_bits, out_format,
                                                 gather)
         return y, nonfinite + programs

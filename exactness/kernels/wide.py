@@ -25,7 +25,7 @@ from ..formats import (
 )
 from . import native
 from .activations import quantize_rows
-from .registry import Fit, Weights, int8_limbs_hold, yes
+from .registry import Fit, Weights, yes
 
 # x's rows per block, and a block's most group sums P (rows x weight rows x groups): the memory
 # a forward's slow rows take is bounded by these, whatever the batch (issue 20: a whole batch of
@@ -77,18 +77,18 @@ def combine(p: torch.Tensor, ms: torch.Tensor, shift: torch.Tensor, per_sum: int
 
 def quantized(x: torch.Tensor, act_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(qa int32 [M, K], e_r [M]) of x [M, K] on the CPU: by the C kernel's quantization pass
-    where it runs and holds act_bits (one pass over x: the slow rows then cost little more than
+    where it runs (one pass over x: the slow rows then cost little more than
     their own outputs), else by quantize_rows. Either raises NonFiniteError for a non-finite x."""
     lib = native.library()
-    if lib is None or not int8_limbs_hold(act_bits):  # the C pass gives at most two limbs
+    if lib is None:
         if not bool(torch.isfinite(x).all()):
             check_finite(float_bits(x), float_format(x.dtype), "x")  # raises: count, index
         return quantize_rows(x, act_bits)
-    lo, hi, e_r = native.quantize(x, act_bits, lib)  # limbs biased by +128
-    qa = lo.to(torch.int32).sub_(128)
-    if dataflow.act_limbs(act_bits) == 2:  # qa - LIMB_OFFSET = lo + 256 hi (activation_limbs)
-        qa.add_(hi.to(torch.int32).sub_(128) << dataflow.LIMB_BITS).add_(dataflow.LIMB_OFFSET)
-    return qa, e_r
+    limbs, e_r = native.quantize(x, act_bits, lib)  # the bytes of qa + 2**(8 L - 1)
+    biased = torch.zeros(limbs.shape[1:], dtype=torch.int64)
+    for j, limb in enumerate(limbs):
+        biased.add_(limb.to(torch.int64) << (dataflow.LIMB_BITS * j))
+    return biased.sub_(1 << (dataflow.LIMB_BITS * limbs.shape[0] - 1)).to(torch.int32), e_r
 
 
 def linear_rows(x: torch.Tensor, weights: Weights, rows: torch.Tensor | None,
@@ -118,7 +118,7 @@ def linear_rows(x: torch.Tensor, weights: Weights, rows: torch.Tensor | None,
 
 
 class _WideKernel:
-    name, family, layout, min_rows, grouped = "wide", "any", "wide", 0, False
+    name, family, layout, min_rows, grouped, act_limbs = "wide", "any", "wide", 0, False, 0
     auto = False  # the slow rows' kernel, or asked for by name: never the plan's own choice
 
     def available(self, device: torch.device) -> Fit:

@@ -586,7 +586,7 @@ CATALOGUE = (
             "[factors-vnni-limbs]",
             "tests/test_moe.py::test_slow_rows_and_writes_through_any_door_are_seen[cpu]")),
     # --- the C kernel (cpu_vnni.c), the CPU path's production code
-    Mutant("vnni-high-limb-correction-unscaled", C_KERNEL, "two ? 15 : 7", "7",
+    Mutant("vnni-high-limb-correction-unscaled", C_KERNEL, "limbs == 1 ? 7 : 15", "7",
            "the bias correction of the high limb not scaled by 256 (per-limb zero points)",
            (CPU, CPU_VECTORS)),
     Mutant("vnni-high-nibble-leaks-neighbour", C_KERNEL,
@@ -608,9 +608,30 @@ CATALOGUE = (
            "for (int64_t k = 0; k < M * K; k++) {",
            "one activation scale for the whole batch, in C", (CPU, BATCH)),
     Mutant("vnni-one-call-high-limb-is-the-low", C_KERNEL,
-           "uint8_t *hi = two && lo ? lo + M * K : lo;", "uint8_t *hi = lo;",
-           "the one-call path (exact_grouped) hands the low limbs in as the high ones too",
+           "grouped_tiles(gr, words, planes, M * K, limbs,",
+           "grouped_tiles(gr, words, planes, 0, limbs,",
+           "the one-call path (exact_grouped) reads every limb from the low limb's plane",
            (CPU, CPU_VECTORS)),
+    # the C kernel at 32-bit activations: four limbs, P in two int32 halves, an int64 term
+    Mutant("vnni-32-lowest-limb-dropped", C_KERNEL,
+           "p_lo = _mm512_add_epi32(_mm512_slli_epi32(d[1][i], 8), d[0][i]);",
+           "p_lo = _mm512_slli_epi32(d[1][i], 8);",
+           "the lowest of four activation limbs never added (a limb dropped)",
+           (CPU_VECTORS, CPU, "tests/test_act32.py::test_a_kernel_holds_32_bits_or_refuses_"
+                              "them_by_name[vnni-limbs]")),
+    Mutant("vnni-32-high-half-place-off", C_KERNEL,
+           "_mm512_slli_epi64(_mm512_mul_epi32(p_hi, c), 16)",
+           "_mm512_slli_epi64(_mm512_mul_epi32(p_hi, c), 8)",
+           "the high pair of limbs at 2**8, not 2**16: a limb's place value off by one",
+           (CPU_VECTORS, CPU, "tests/test_act32.py::test_a_kernel_holds_32_bits_or_refuses_"
+                              "them_by_name[vnni-limbs]")),
+    Mutant("vnni-32-group-sum-in-int32", C_KERNEL,
+           """    return _mm512_add_epi64(_mm512_slli_epi64(_mm512_mul_epi32(p_hi, c), 16),
+                            _mm512_mul_epi32(p_lo, c));""",
+           "    return _mm512_mul_epi32(_mm512_add_epi32(_mm512_slli_epi32(p_hi, 16), p_lo), c);",
+           "a group's P = 2**16 * P_hi + P_lo summed in int32, where 32-bit activations need "
+           "int64: it wraps", (CPU_VECTORS, CPU, "tests/test_act32.py::test_a_kernel_holds_32_"
+                                                 "bits_or_refuses_them_by_name[vnni-limbs]")),
     Mutant("vnni-rounding-ties-up", C_KERNEL, "_mm512_cmpeq_epi64_mask(rem, half) & odd;",
            "_mm512_cmpeq_epi64_mask(rem, half);",
            "the final rounding's ties away from zero instead of to even",
