@@ -40,7 +40,11 @@ def limb_offset(act_bits: int) -> int:
     all limbs but the top one (LIMB_OFFSET for 16 bits, 0x808080 for 32). L signed limbs span
     [-128 S, 127 S] (S = (256**L - 1) / 255): 2**(8 L) values, one more than [-Qa, Qa] holds,
     so qa fits once shifted down by this (proved: limb-split)."""
-    limbs = act_limbs(act_bits)
+    return offset_for_limbs(act_limbs(act_bits))
+
+
+def offset_for_limbs(limbs: int) -> int:
+    """limb_offset for activations in `limbs` int8 limbs."""
     return LIMB_OFFSET * (2 ** (LIMB_BITS * (limbs - 1)) - 1) // 255 if limbs > 1 else 0
 
 
@@ -115,11 +119,12 @@ def activation_limbs(qa, act_bits: int):
 
 
 # How many activation limbs the int8 kernels carry (each kernel's `act_limbs`, checked by
-# registry.int8_limbs_hold in its `eligible`): Triton's and the int8 GEMMs two, the C kernel four
-# (32-bit activations too). Wider activations than a kernel carries take the float64 GEMMs, the
-# int64 matmul or `wide`.
-KERNEL_ACT_LIMBS = 2
-VNNI_ACT_LIMBS = 4
+# registry.int8_limbs_hold in its `eligible`). The group kernels (C and Triton, grouped too) carry
+# four: with 32-bit activations a group's P stays in two int32 halves, P_hi * 2**16 + P_lo. The
+# int8 GEMMs on folded weights (int8-gemm, triton-folded) carry two. Activations wider than a
+# kernel carries take another: the float64 GEMMs, the int64 matmul or `wide` on the CPU.
+GROUP_ACT_LIMBS = 4
+GEMM_ACT_LIMBS = 2
 
 
 def wide_groups_per_sum(w_bits: int, act_bits: int) -> int:

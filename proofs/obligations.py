@@ -310,12 +310,16 @@ def span_unshifted(a_bits: int, dot_bits: int) -> Obligation:
                       acc_bits=dot_bits)
 
 
-def four_limb_bounds(w_bits: int) -> tuple[int, int]:
-    """The largest |P_lo| and |P_hi| of cpu_vnni.c's four-limb recombination (vnni_four_limbs):
-    P_lo = 256 * D'_1 + D'_0, P_hi = 256 * D'_3 + D'_2 - 2**15 * sum_k q, each D'_j a biased dot
-    (vnni-dot bounds it by 32 * 255 * 2**(w_bits - 1))."""
-    biased, wsum = GROUP_SIZE * 255 * 2 ** (w_bits - 1), GROUP_SIZE * 2 ** (w_bits - 1)
-    return 257 * biased, 257 * biased + 2**15 * wsum
+def four_limb_bounds(w_bits: int, biased: bool) -> tuple[int, int]:
+    """The largest |P_lo| and |P_hi| of a four-limb group: P_lo = 256 * D_1 + D_0 and
+    P_hi = 256 * D_3 + D_2, each D_j a limb dot of 32 (group-dot). `biased`: cpu_vnni.c's
+    (vnni_four_limbs), whose biased dots vnni-dot bounds by 32 * 255 * 2**(w_bits - 1) and whose
+    P_hi also holds the correction -2**15 * sum_k q."""
+    if not biased:
+        dot = GROUP_SIZE * 128 * 2 ** (w_bits - 1)
+        return 257 * dot, 257 * dot
+    dot, wsum = GROUP_SIZE * 255 * 2 ** (w_bits - 1), GROUP_SIZE * 2 ** (w_bits - 1)
+    return 257 * dot, 257 * dot + 2**15 * wsum
 
 
 def vnni_four_limbs(w_bits: int, a_bits: int, dot_bits: int) -> Obligation:
@@ -350,12 +354,13 @@ def vnni_four_limbs(w_bits: int, a_bits: int, dot_bits: int) -> Obligation:
                       w_bits=w_bits, a_bits=a_bits, acc_bits=dot_bits)
 
 
-def vnni_four_limb_terms(w_bits: int, a_bits: int, k: int, spread: int) -> Obligation:
-    """cpu_vnni.c's group term at 32-bit activations, (P_hi * c << 16) + P_lo * c with
-    c = ms << shift: both products (vpmuldq), the shift and the sum fit int64 for every P_hi
-    and P_lo of vnni_four_limbs, shift <= spread. So the term is P * c exactly, the term the
-    combine proof sums."""
-    lo_max, hi_max = four_limb_bounds(w_bits)
+def four_limb_terms(w_bits: int, a_bits: int, k: int, spread: int, biased: bool) -> Obligation:
+    """A group term at 32-bit activations, (P_hi * c << 16) + P_lo * c with c = ms << shift:
+    both products, the shift and the sum fit int64 for every P_hi and P_lo of four_limb_bounds,
+    shift <= spread. So the term is P * c exactly (P' * c: the Triton kernels add the limb
+    offset apart), the term the combine proof sums. `biased`: cpu_vnni.c's (two vpmuldq), else
+    the Triton kernels' group_term."""
+    lo_max, hi_max = four_limb_bounds(w_bits, biased)
     mant = 2**dataflow.SCALE_MANT_BITS - 1
     bits = dataflow.COMBINE_ACC_BITS
 
@@ -370,7 +375,7 @@ def vnni_four_limb_terms(w_bits: int, a_bits: int, k: int, spread: int) -> Oblig
                 z3.And(fits(high, bits), fits(low, bits), fits(high + low, bits)),
                 {"P_hi": p_hi, "P_lo": p_lo, "ms": ms, "shift": sh})
 
-    return Obligation(f"vnni-four-limb-terms-w{w_bits}-a{a_bits}-k{k}",
+    return Obligation(f"{'vnni' if biased else 'group'}-four-limb-terms-w{w_bits}-a{a_bits}-k{k}",
                       f"(P_hi * c << 16) + P_lo * c in int{bits}, spread <= {spread}", build,
                       w_bits=w_bits, a_bits=a_bits, k=k, acc_bits=bits, spread=spread)
 
@@ -419,10 +424,11 @@ def combine(w_bits: int, a_bits: int, k: int, acc_bits: int, spread: int) -> Obl
 
 
 def combine_offset(w_bits: int, a_bits: int, k: int, acc_bits: int, spread: int) -> Obligation:
-    """16-bit activations: the group kernel adds LIMB_OFFSET * R, R = sum_k q * f (offset_sums,
-    int64), to any partial sum of the combine (its first slice of K does, before or after the
-    others'): R and the result fit `acc_bits`, within dataflow.combine_bound. The grouped kernel
-    adds each group's share of R with the group: a partial R, within the same bound."""
+    """Two or four limbs: the group kernel adds limb_offset * R, R = sum_k q * f (offset_sums,
+    int64; limb_offset 128 at 16 bits, 0x808080 at 32), to any partial sum of the combine (its
+    first slice of K does, before or after the others'): R and the result fit `acc_bits`, within
+    dataflow.combine_bound. The grouped kernel adds each group's share of R with the group: a
+    partial R, within the same bound."""
     groups = k // GROUP_SIZE
     mant = 2**dataflow.SCALE_MANT_BITS - 1
     acc_max = groups * (mant * dataflow.group_term_bound(w_bits, a_bits) << spread)
@@ -430,15 +436,15 @@ def combine_offset(w_bits: int, a_bits: int, k: int, acc_bits: int, spread: int)
 
     def build():
         acc, r = z3.BitVec("acc", acc_bits), z3.BitVec("R", acc_bits)
-        t = wide(acc) + dataflow.LIMB_OFFSET * wide(r)
+        t = wide(acc) + dataflow.limb_offset(a_bits) * wide(r)
         post = z3.And(fits(const(r_max), acc_bits), fits(t, acc_bits),
                       within(t, dataflow.combine_bound(k, w_bits, a_bits, spread)))
         return z3.And(within(acc, acc_max), within(r, r_max)), post, {"acc": acc, "R": r}
 
     return Obligation(f"combine-offset-w{w_bits}-a{a_bits}-k{k}",
-                      f"the limb offset's LIMB_OFFSET * R added in int{acc_bits}, "
-                      f"spread <= {spread}", build, w_bits=w_bits, a_bits=a_bits, k=k,
-                      acc_bits=acc_bits, spread=spread)
+                      f"the limb offset's {dataflow.limb_offset(a_bits)} * R added in "
+                      f"int{acc_bits}, spread <= {spread}", build, w_bits=w_bits,
+                      a_bits=a_bits, k=k, acc_bits=acc_bits, spread=spread)
 
 
 def wide_group_sum(w_bits: int, a_bits: int) -> Obligation:
@@ -639,21 +645,24 @@ def for_config(w_bits: int, a_bits: int, k: int, acc_bits: int | None = None,
     if dataflow.float64_gemm_holds(k, w_bits, spread):  # else the kernel refuses the layer
         obligations += [cpu_float64_gemm(w_bits, a_bits, k, spread),
                         cpu_float64_recombine(w_bits, a_bits, k, spread)]
-    if dataflow.act_limbs(a_bits) > dataflow.KERNEL_ACT_LIMBS:  # the C kernel's four limbs only
-        obligations += [vnni_dot(w_bits, dot), vnni_four_limbs(w_bits, a_bits, dot),
-                        vnni_four_limb_terms(w_bits, a_bits, k, spread)]
-        return _configured(obligations, w_bits, a_bits, k, dot)
+    limbs = dataflow.act_limbs(a_bits)
     obligations += [group_dot(w_bits, a_bits, dot), vnni_dot(w_bits, dot)]
-    if dataflow.act_limbs(a_bits) == 2:
+    if limbs > 1:  # four limbs: each half recombines as two limbs do
         obligations.append(group_recombine(w_bits, a_bits, dot))
-    obligations.append(vnni_recombine(w_bits, a_bits, dot))
+    if limbs == 4:
+        obligations += [four_limb_terms(w_bits, a_bits, k, spread, biased=False),
+                        vnni_four_limbs(w_bits, a_bits, dot),
+                        four_limb_terms(w_bits, a_bits, k, spread, biased=True)]
+    else:
+        obligations.append(vnni_recombine(w_bits, a_bits, dot))
     if (w_bits, a_bits) == (4, 16):  # the span kernel's configuration
         obligations += [span_fold(w_bits), span_group(w_bits, a_bits, dot),
                         span_unshifted(a_bits, dot)]
-    if dataflow.act_limbs(a_bits) == 2:
+    if limbs > 1:
         obligations.append(combine_offset(w_bits, a_bits, k, acc_bits, spread))
-    obligations += [cpu_int_mm(dataflow.int_mm_chunk(k), dot),
-                    cpu_combine(w_bits, a_bits, k, spread)]
+    if limbs <= dataflow.GEMM_ACT_LIMBS:  # the int8 GEMMs on folded weights
+        obligations += [cpu_int_mm(dataflow.int_mm_chunk(k), dot),
+                        cpu_combine(w_bits, a_bits, k, spread)]
     return _configured(obligations, w_bits, a_bits, k, dot)
 
 

@@ -26,6 +26,9 @@ from exactness.suite.strategies import activation_bits, int_weights, scale_bits
 from tests.test_modules import skip_unless_here
 
 pytestmark = pytest.mark.stage("equivalence")  # make verify's stage
+# the kernels that hold 32-bit activations: the group kernels (four limbs) and the CPU's wide ones
+HOLD_32_BITS = ("vnni-limbs", "vnni-grouped", "float64-gemm", "int64-matmul", "triton-group",
+                "triton-grouped", "wide")
 
 
 def true_product_bits(case: LinearCase) -> np.ndarray:
@@ -83,6 +86,26 @@ def test_a_lossless_row_gives_the_correctly_rounded_true_product(case):
         check_bits(case, path, run(case, path)[rows], want)
 
 
+@pytest.mark.parametrize("path", [*HOLD_32_BITS, "cpu", "triton"])
+def test_the_most_negative_32_bit_activations_on_every_path(path):
+    """Rows whose largest magnitude is negative with every significand bit set: qa nearly -Qa,
+    where qa - 0x808080 passes -2**31 (a limb split in int32 wraps there). In each format, with
+    the row's other elements spread over 2**30 so that every limb is busy."""
+    skip_unless_here(path)
+    rng = np.random.default_rng(32)
+    for fmt, top in ((BFLOAT16, 0xBFFF), (FORMATS["float16"], 0xBFFF),
+                     (FORMATS["float32"], 0xBFFFFFFF)):  # just under -2
+        x = tensor_to_bits(torch.from_numpy(rng.uniform(-1, 1, (3, 64)) * 2.0 ** rng.integers(
+            -30, 1, (3, 64))).to(torch_dtype(fmt)))
+        x[:, 5] = top
+        q = rng.integers(-8, 8, (20, 64))
+        case = LinearCase(x, fmt, q, pack_weights(q, 4), 0x3C00 + rng.integers(0, 512, (20, 2)),
+                          32, BFLOAT16, 4)
+        qa, _ = quantize_activations(case.x_bits, fmt, 32)
+        assert (qa[:, 5] - 0x808080 < -(2**31)).all()
+        check_bits(case, path, run(case, path), run(case, "reference"))
+
+
 def test_the_true_product_check_can_fail():
     """At 16 bits a wide bf16 row loses bits, and the true product then differs somewhere."""
     x = np.array([[0x4700] + [0x3F81] * 31], np.int64)  # 32768 and 31 values 1 + 2**-7
@@ -96,9 +119,6 @@ def test_the_true_product_check_can_fail():
     assert (run(case, "reference") == true_product_bits(case)).all()
 
 
-HOLD_32_BITS = ("vnni-limbs", "vnni-grouped", "float64-gemm", "int64-matmul", "wide")
-
-
 @pytest.mark.parametrize("kernel", [k.name for k in REGISTRY])
 def test_a_kernel_holds_32_bits_or_refuses_them_by_name(kernel):
     """Every kernel either holds act_bits = 32 (then it gives the bits of `wide`, Python
@@ -109,7 +129,7 @@ def test_a_kernel_holds_32_bits_or_refuses_them_by_name(kernel):
     layer = ExactLinear.from_weight(w, act_bits=32, kernel=kernel)
     fit = next(k for k in REGISTRY if k.name == kernel).eligible(1, layer.weights())
     assert (32 in held_act_bits(kernel)) == fit.ok == (kernel in HOLD_32_BITS)
-    if not fit.ok:  # the span kernel takes 16-bit words; the others name their limbs
+    if not fit.ok:  # the span kernel takes 16-bit words; the int8 GEMMs name their limbs
         why = "16-bit activations" if kernel == "vnni-spans" else "needs 4 int8 limbs"
         assert why in fit.why
         with pytest.raises(KernelUnavailableError, match=why):
@@ -120,7 +140,7 @@ def test_a_kernel_holds_32_bits_or_refuses_them_by_name(kernel):
 
 
 def test_the_cpu_plan_at_32_bits_takes_the_c_kernel_and_says_why_not_the_others():
-    """The C kernel carries four limbs; the int8 GEMMs, two, say so."""
+    """The C kernel carries four limbs; the int8 GEMMs carry two, and say so."""
     layer = ExactLinear.from_weight(torch.randn(8, 64), act_bits=32)
     plan = layer.plan(torch.randn(3, 64))
     assert plan.kernel.name == ("vnni-limbs" if "vnni-limbs" in available_paths()
@@ -131,10 +151,17 @@ def test_the_cpu_plan_at_32_bits_takes_the_c_kernel_and_says_why_not_the_others(
 
 @pytest.mark.skipif("triton" not in available_paths(), reason="Triton needs a GPU or "
                     "TRITON_INTERPRET=1")
-def test_the_triton_backend_refuses_32_bits_with_the_reason():
-    layer = ExactLinear.from_weight(torch.randn(8, 64), act_bits=32, backend="triton")
-    with pytest.raises(KernelUnavailableError, match="needs 4 int8 limbs"):
-        layer(torch.randn(2, 64))
+def test_the_triton_backend_takes_32_bits_through_the_group_kernel_at_any_rows():
+    """The folded GEMM carries two limbs and says so; from its 64 rows on, the plan passes it
+    over for the group kernel, which gives wide's bits."""
+    torch.manual_seed(0)
+    w, x = torch.randn(8, 64), torch.randn(64, 64)
+    layer = ExactLinear.from_weight(w, act_bits=32, backend="triton")
+    plan = layer.plan(x)
+    assert plan.kernel.name == "triton-group"
+    assert "needs 4 int8 limbs, it carries at most 2" in dict(plan.passed_over)["triton-folded"]
+    want = ExactLinear.from_weight(w, act_bits=32, kernel="wide")(x)
+    assert torch.equal(tensor_to_bits_t(layer(x)), tensor_to_bits_t(want))
 
 
 @pytest.mark.parametrize("grouped_limbs", [4, 2])
@@ -143,7 +170,7 @@ def test_an_moe_projection_at_32_bits_has_each_experts_bits(grouped_limbs, monke
     carries two (as Triton's does), the projection warns once, naming the limbs, and runs each
     expert's layer. Either way, each routed row has its expert's own bits."""
     skip_unless_here("vnni-grouped")
-    monkeypatch.setattr(type(native.GROUPED), "act_limbs", grouped_limbs)
+    monkeypatch.setattr(native.GROUPED, "act_limbs", grouped_limbs)
     torch.manual_seed(0)
     layers = [[ExactLinear.from_weight(torch.randn(16, 64), act_bits=32)] for _ in range(3)]
     x = torch.randn(5, 64).bfloat16()
@@ -184,11 +211,12 @@ def test_a_32_bit_layer_equals_the_reference_at_a_full_kimi_size():
                run(case, "reference"))
 
 
-@pytest.mark.parametrize("kernel", [k.name for k in REGISTRY if k.grouped and k.act_limbs < 4])
-def test_a_grouped_kernel_run_directly_refuses_32_bits(kernel):
+@pytest.mark.parametrize("kernel", [k.name for k in REGISTRY if k.grouped])
+def test_a_grouped_kernel_run_directly_refuses_what_its_limbs_do_not_hold(kernel, monkeypatch):
     """Past the plan (moe.projection(kernel=...)), a grouped kernel still refuses what it does
-    not hold, rather than computing other bits."""
+    not hold, rather than computing other bits: here, one made to carry two limbs."""
     grouped = next(k for k in REGISTRY if k.name == kernel)
+    monkeypatch.setattr(grouped, "act_limbs", 2)
     routing = route(torch.zeros((2, 1), dtype=torch.int64), 1)
     with pytest.raises(KernelUnavailableError, match="needs 4 int8 limbs"):
         grouped.run_grouped(torch.randn(2, 64), routing, [None], 4, 32, BFLOAT16, True)

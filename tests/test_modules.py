@@ -87,7 +87,7 @@ def test_vectors_through_the_layer(path):
 EQUIVALENCE_CASES = {
     "vnni-spans": linear_cases(max_k=256, max_n=40, max_rows=20, w_bits=4, act_bits_=16),
     "triton-group": linear_cases(max_k=128, max_n=40, max_rows=20,
-                                 act_bits_=INT8_KERNEL_ACT_BITS),
+                                 act_bits_=held_act_bits("triton-group")),
     "wide": linear_cases(max_k=128, max_n=16, max_rows=6),
 }
 
@@ -341,7 +341,7 @@ def test_triton_folded_path_matches_reference(case):
 
 @needs_triton
 @settings(max_examples=max(10, settings.default.max_examples // 3))  # the kernels, no reference
-@given(linear_cases(max_k=256, max_n=24, max_rows=5, act_bits_=INT8_KERNEL_ACT_BITS),
+@given(linear_cases(max_k=256, max_n=24, max_rows=5, act_bits_=held_act_bits("triton-group")),
        st.integers(2, 8))
 def test_the_group_kernels_k_split_changes_no_bit(case, slices):
     """The group kernel's T summed over slices of K (integer atomics, then combine_kernel's
@@ -359,7 +359,7 @@ def test_the_group_kernels_k_split_changes_no_bit(case, slices):
 @needs_triton
 @settings(max_examples=max(10, settings.default.max_examples // 3))  # the kernel, no layer
 @given(linear_cases(max_k=256, max_n=1, max_rows=17,
-                    act_bits_=INT8_KERNEL_ACT_BITS), st.integers(1, 4),
+                    act_bits_=held_act_bits("triton-group")), st.integers(1, 4),
        st.sampled_from([512, 2048]))
 def test_the_quantize_kernel_at_any_slicing_and_tile(case, slices, tile):
     """quantize_kernel's limbs and row exponents are the contract's (reference, dataflow) at any
@@ -377,7 +377,7 @@ def test_the_quantize_kernel_at_any_slicing_and_tile(case, slices, tile):
 
 @needs_triton
 @settings(max_examples=max(10, settings.default.max_examples // 6))  # up to 9 launches each
-@given(linear_cases(max_k=96, max_n=24, max_rows=9, act_bits_=INT8_KERNEL_ACT_BITS),
+@given(linear_cases(max_k=96, max_n=24, max_rows=9, act_bits_=held_act_bits("triton-group")),
        st.integers(1, 4))
 def test_launches_in_blocks_of_rows_match_reference(case, block):
     """Past int32 offsets (triton_exact.rows_per_launch) a forward launches blocks of rows;
@@ -398,9 +398,10 @@ def test_the_triton_kernels_at_8_bit_weights(path):
     q = rng.integers(-128, 128, (12, 160))
     x = rng.integers(0x3F00, 0x4000, (3, 160)) | (rng.integers(0, 2, (3, 160)) << 15)
     scales = 0x3C00 + rng.integers(0, 256, (12, 5))
-    for act_bits in (8, 16):
-        check_path(LinearCase(x, BFLOAT16, q, pack_weights(q, 8), scales, act_bits, BFLOAT16, 8),
-                   path)
+    for act_bits in (8, 16, 32):
+        if act_bits in held_act_bits(path):  # triton-folded: up to 16 bits
+            check_path(LinearCase(x, BFLOAT16, q, pack_weights(q, 8), scales, act_bits,
+                                  BFLOAT16, 8), path)
 
 
 @needs_triton
@@ -549,7 +550,7 @@ def test_batch_and_permutation_invariance(case, random):
 
 
 @needs_triton
-@given(linear_cases(max_k=128, max_n=24, max_rows=18, act_bits_=INT8_KERNEL_ACT_BITS))
+@given(linear_cases(max_k=128, max_n=24, max_rows=18, act_bits_=held_act_bits("triton-group")))
 def test_cpu_equals_interpreted_triton(case):
     assert (run(case, "cpu") == run(case, "triton")).all()
 

@@ -274,14 +274,15 @@ def test_the_float64_gemm_is_proved_where_its_check_admits_it_and_refuted_past()
     assert prove(ob.cpu_float64_gemm(4, 32, 18432, 12)).verdict == "refuted"
 
 
-def test_the_four_limb_proofs_refute_the_c_kernels_planted_bugs(monkeypatch):
-    """vnni-four-limbs and vnni-four-limb-terms at Kimi's gate/up, 8-bit weights: proved as the
-    kernel computes; refuted where the limbs' bias is 64, not the 128 that the correction
+def test_the_four_limb_proofs_refute_planted_bugs(monkeypatch):
+    """vnni-four-limbs and the four-limb terms at Kimi's gate/up, 8-bit weights: proved as the
+    kernels compute; refuted where the limbs' bias is 64, not the 128 that the correction
     2**15 * sum_k q cancels, and at a spread whose terms int64 cannot hold."""
     four = ob.vnni_four_limbs(8, 32, dataflow.DOT_ACC_BITS)
     assert prove(four, cache={}).verdict == "proved"
     limit = dataflow.certified_spread(7168, 8, 32)
-    assert prove(ob.vnni_four_limb_terms(8, 32, 7168, limit), cache={}).verdict == "proved"
-    assert prove(ob.vnni_four_limb_terms(8, 32, 7168, 40), cache={}).verdict == "refuted"
+    for biased in (True, False):  # the C kernel's terms, and the Triton kernels'
+        terms = (ob.four_limb_terms(8, 32, 7168, spread, biased) for spread in (limit, 40))
+        assert [prove(o, cache={}).verdict for o in terms] == ["proved", "refuted"]
     monkeypatch.setattr(dataflow, "LIMB_OFFSET", 64)  # the biased dots' offset one place short
     assert prove(ob.vnni_four_limbs(8, 32, dataflow.DOT_ACC_BITS), cache={}).verdict == "refuted"

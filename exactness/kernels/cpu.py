@@ -106,7 +106,7 @@ class _GemmKernel:
 
     def __init__(self, name: str, int8: bool):
         self.name, self.int8 = name, int8
-        self.act_limbs = dataflow.KERNEL_ACT_LIMBS if int8 else 0
+        self.act_limbs = dataflow.GEMM_ACT_LIMBS if int8 else 0
 
     def available(self, device: torch.device) -> Fit:
         if device.type != "cpu":

@@ -691,7 +691,7 @@ class _VnniKernel:
     kernel."""
 
     family, layout, auto, grouped = "cpu", "vnni", True, False
-    act_limbs = dataflow.VNNI_ACT_LIMBS
+    act_limbs = dataflow.GROUP_ACT_LIMBS
 
     def __init__(self, name: str, spans: bool, min_rows: int):
         self.name, self.spans, self.min_rows = name, spans, min_rows

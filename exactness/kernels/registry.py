@@ -55,7 +55,7 @@ def no(why: str) -> Fit:
     return Fit(False, why)
 
 
-def int8_limbs_hold(act_bits: int, carried: int = dataflow.KERNEL_ACT_LIMBS) -> Fit:
+def int8_limbs_hold(act_bits: int, carried: int) -> Fit:
     """Whether an int8 kernel that carries at most `carried` int8 limbs of an activation (its
     `act_limbs`) holds `act_bits`-bit activations (32 bits need four)."""
     limbs = dataflow.act_limbs(act_bits)

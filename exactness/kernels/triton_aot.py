@@ -86,22 +86,23 @@ def configurations(quick: bool = False) -> list[tuple[str, str, dict, dict]]:
     formats = [FORMATS["bfloat16"]] if quick else list(FORMATS.values())
     configs = []
     for fmt in formats:
-        for act_bits in (16,) if quick else (4, 8, 16):
+        for act_bits in (16,) if quick else (4, 8, 16, 32):
             for rows in (1, 16):  # quantize_tile's tiles from one row to BLOCK_M (the same code)
-                tile = triton_exact.quantize_tile(rows, triton_exact.GPU_QUANT_TILE)
+                tile = triton_exact.quantize_tile(
+                    rows, triton_exact.quant_tile(act_bits, triton_exact.GPU_QUANT_TILE))
                 configs.append(("quantize_kernel", f"x {fmt.name}, act_bits {act_bits}, "
                                 f"{tile[0]} x {tile[1]}",
                                 _argument_types("quantize_kernel", fmt.width),
                                 triton_exact.quantize_constants(fmt, act_bits, *tile)))
     for w_bits in (4,) if quick else (4, 8):
-        for two in (False, True):
+        for limbs in (1, 2) if quick else (1, 2, 4):
             for out in formats:
-                for split in (False, True) if two or not quick else (False,):
+                for split in (False, True) if limbs == 2 or not quick else (False,):
                     configs.append(("exact_group_kernel",
-                                    f"w_bits {w_bits}, {'two limbs' if two else 'one limb'}, "
+                                    f"w_bits {w_bits}, {limbs} limb(s), "
                                     f"out {out.name}{', split K' * split}",
                                     _argument_types("exact_group_kernel", out.width),
-                                    triton_exact.group_constants(w_bits, two, out,
+                                    triton_exact.group_constants(w_bits, limbs, out,
                                                                  triton_exact.GPU_BLOCK_N,
                                                                  split=split)))
     for out in formats:  # the split launches' rounding
@@ -127,7 +128,7 @@ def configurations(quick: bool = False) -> list[tuple[str, str, dict, dict]]:
                                     a_limbs, w_limbs, out, triton_exact.GPU_COMBINE_BLOCK)))
     # the grouped MoE kernel: gate and up (two parts, rows gathered by token), down (one part)
     for w_bits in (4,) if quick else (4, 8):
-        for act_bits in (16,) if quick else (8, 16):
+        for act_bits in (16,) if quick else (8, 16, 32):
             for out in formats:
                 for parts, gather in ((2, True), (1, False)):
                     configs.append(("grouped_kernel", f"w_bits {w_bits}, act_bits {act_bits}, "
@@ -237,7 +238,7 @@ def tuning_configurations() -> list[tuple[str, str, dict, dict, int]]:
     bf16 = FORMATS["bfloat16"]
     return [("exact_group_kernel", f"{bm} x {bn}, {warps} warps",
              _argument_types("exact_group_kernel", bf16.width),
-             triton_exact.group_constants(4, True, bf16, bn, bm), warps)
+             triton_exact.group_constants(4, 2, bf16, bn, bm), warps)
             for bm, bn, warps in triton_exact.TUNING_TILES]
 
 

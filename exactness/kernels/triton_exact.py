@@ -7,8 +7,10 @@ One forward, below FOLDED_MIN_ROWS activation rows, is two launches:
   value's significand, written as dataflow's int8 limbs;
 - `exact_group_kernel`, per output tile and per group of 32: the packed words unpacked to int8 in
   registers, one int8 x int8 -> int32 dot per activation limb gives the group's exact
-  P' = 256 * D_hi + D_lo, and P' * f (f = ms << shift, int32 x int32) is added into an int64
-  accumulator, the limb offset's sum once at the end (widths: exactness/dataflow.py); the tile's
+  P' = 256 * D_1 + D_0, and P' * f (f = ms << shift, int32 x int32) is added into an int64
+  accumulator, the limb offset's sum once at the end (widths: exactness/dataflow.py); with four
+  limbs (32-bit activations) P' stays in two int32 halves, P'_hi = 256 * D_3 + D_2 and
+  P'_lo = 256 * D_1 + D_0, and the term is (P'_hi * f << 16) + P'_lo * f in int64; the tile's
   exact T is rounded once (`round_scaled`, the twin of formats.round_scaled_array) and stored as
   the output's bit patterns.
 From FOLDED_MIN_ROWS rows on, `linear_folded` runs kernels/cpu.py's dataflow instead, which
@@ -161,8 +163,8 @@ if triton is not None:
     @triton.jit
     def quantize_kernel(
         x_ptr, a_ptr, e_ptr, nonfinite_ptr, M, K, slice_k, stride_xm, stride_limb,
-        MANT: tl.constexpr, EXP: tl.constexpr, QMAX: tl.constexpr, TWO_LIMBS: tl.constexpr,
-        LIMB_OFFSET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+        MANT: tl.constexpr, EXP: tl.constexpr, QMAX: tl.constexpr, LIMBS: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
     ):
         """quantize.quantize_activations and dataflow.activation_limbs for BLOCK_M rows of x
         and their slice of K (program_id 1; slice_k activations, a multiple of BLOCK_K). Every
@@ -205,25 +207,53 @@ if triton is not None:
             s = e - e_row[:, None]
             a = tl.abs(m)
             # a < 2**24: a right shift past 25 gives 0 and rounds to 0, so clipping shifts to 30
-            # changes nothing; a left shift is at most 15 (a * 2**s <= Qa)
+            # changes nothing; a left shift is at most 30 (a * 2**s <= Qa < 2**31)
             n = tl.where(s >= 0, a << tl.minimum(tl.maximum(s, 0), 30),
                          rne_shift_right(a, tl.minimum(tl.maximum(-s, 0), 30)))
             qa = tl.where(m < 0, -n, n)
             a_ptrs = a_ptr + offs_m[:, None] * K + (k0 + offs_k)[None, :]
-            if TWO_LIMBS:  # qa - LIMB_OFFSET = hi * 256 + lo
-                lo = ((qa - LIMB_OFFSET + 128) & 255) - 128
-                tl.store(a_ptrs, lo.to(tl.int8), mask=mask)
-                tl.store(a_ptrs + stride_limb, ((qa - LIMB_OFFSET - lo) >> 8).to(tl.int8),
-                         mask=mask)
-            else:
-                tl.store(a_ptrs, qa.to(tl.int8), mask=mask)
+            for j in tl.static_range(LIMBS):  # dataflow.activation_limbs: the bytes of
+                # qa + 2**(8 LIMBS - 1), less 128 (adding 2**(8 LIMBS - 1) flips the top bit)
+                limb = (((qa >> (8 * j)) & 255) ^ (128 * (j == LIMBS - 1))) - 128
+                tl.store(a_ptrs + j * stride_limb, limb.to(tl.int8), mask=mask)
+
+    @triton.jit
+    def limb_dot(a_ptrs, limb, mask_m, w8, DOT_ACC: tl.constexpr):
+        """D = sum_k limb * q of one activation limb's [rows, 32] and the group's w8 [N, 32]."""
+        a = tl.load(a_ptrs + limb, mask=mask_m[:, None], other=0)
+        return tl.dot(a, tl.trans(w8), out_dtype=DOT_ACC)
+
+    @triton.jit
+    def group_sums(a_ptrs, stride_limb, mask_m, w8, LIMBS: tl.constexpr, DOT_ACC: tl.constexpr):
+        """A group's (P'_lo, P'_hi) in DOT_ACC: P'_lo = 256 * D_1 + D_0 (one limb: D_0) and,
+        with four limbs, P'_hi = 256 * D_3 + D_2 (else P'_hi is P'_lo, unused); the limb offset
+        is added apart."""
+        if LIMBS == 4:  # the high half first: after the low one, ptxas spilled registers
+            # (grouped_kernel, 8-bit weights, fp32 out, sm_90: python -m ...triton_aot)
+            p_hi = limb_dot(a_ptrs, 2 * stride_limb, mask_m, w8, DOT_ACC) \
+                + limb_dot(a_ptrs, 3 * stride_limb, mask_m, w8, DOT_ACC) * 256
+        p = limb_dot(a_ptrs, 0, mask_m, w8, DOT_ACC)
+        if LIMBS > 1:
+            p += limb_dot(a_ptrs, stride_limb, mask_m, w8, DOT_ACC) * 256
+        if LIMBS < 4:
+            p_hi = p
+        return p, p_hi
+
+    @triton.jit
+    def group_term(p, p_hi, f, LIMBS: tl.constexpr, COMBINE_ACC: tl.constexpr):
+        """A group's P' * f in COMBINE_ACC from group_sums (f [N] int32): P'_lo * f, and with
+        four limbs + (P'_hi * f << 16), each an int32 x int32 -> int64 product."""
+        term = p.to(COMBINE_ACC) * f.to(COMBINE_ACC)[None, :]
+        if LIMBS == 4:
+            term += (p_hi.to(COMBINE_ACC) * f.to(COMBINE_ACC)[None, :]) << 16
+        return term
 
     @triton.jit
     def exact_group_kernel(
         a_ptr, w_ptr, f_ptr, r_ptr, e_ptr, emin_ptr, y_ptr, t_ptr,
         M, N, G, groups_per_slice,
         stride_limb, stride_am, stride_wn, stride_fn, stride_ym,
-        W_BITS: tl.constexpr, TWO_LIMBS: tl.constexpr, LIMB_OFFSET: tl.constexpr,
+        W_BITS: tl.constexpr, LIMBS: tl.constexpr, LIMB_OFFSET: tl.constexpr,
         DOT_ACC: tl.constexpr, COMBINE_ACC: tl.constexpr,
         OUT_MANT: tl.constexpr, OUT_EXP: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
@@ -250,14 +280,10 @@ if triton is not None:
                             mask=mask_n[:, None], other=0)
             w8 = tl.reshape(unpack_fields(words, fields, W_BITS).to(tl.int8), (BLOCK_N, 32))
             a_ptrs = a_ptr + offs_m[:, None] * stride_am + (g * 32 + offs_k)[None, :]
-            a_lo = tl.load(a_ptrs, mask=mask_m[:, None], other=0)
-            p = tl.dot(a_lo, tl.trans(w8), out_dtype=DOT_ACC)
-            if TWO_LIMBS:  # P' = 256 * D_hi + D_lo: the limb offset is in r, added once
-                a_hi = tl.load(a_ptrs + stride_limb, mask=mask_m[:, None], other=0)
-                p += tl.dot(a_hi, tl.trans(w8), out_dtype=DOT_ACC) * 256
+            p, p_hi = group_sums(a_ptrs, stride_limb, mask_m, w8, LIMBS, DOT_ACC)
             f = tl.load(f_ptr + offs_n * stride_fn + g, mask=mask_n, other=0)
-            acc += p.to(COMBINE_ACC) * f.to(COMBINE_ACC)[None, :]  # int32 x int32 -> int64
-        if TWO_LIMBS:  # LIMB_OFFSET * sum_k q * f, by the first slice of K alone
+            acc += group_term(p, p_hi, f, LIMBS, COMBINE_ACC)
+        if LIMBS > 1:  # LIMB_OFFSET * sum_k q * f, by the first slice of K alone
             r = tl.load(r_ptr + offs_n, mask=mask_n, other=0).to(COMBINE_ACC)
             acc += tl.where(g_start == 0, LIMB_OFFSET, 0) * r[None, :]
         if SPLIT:
@@ -310,7 +336,7 @@ if triton is not None:
         mask_n = offs_n < N
         mask = mask_m[:, None] & mask_n[None, :]
         t = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int64)
-        if A_LIMBS == 2:
+        if A_LIMBS > 1:
             t += LIMB_OFFSET * tl.load(sum_ptr + offs_n, mask=mask_n, other=0)[None, :]
         for i in tl.static_range(A_LIMBS):
             for j in tl.static_range(W_LIMBS):
@@ -332,17 +358,23 @@ def quantize_tile(m: int, tile: int = QUANT_TILE) -> tuple[int, int]:
     return block_m, tile // block_m
 
 
+def quant_tile(act_bits: int, tile: int = QUANT_TILE) -> int:
+    """quantize_kernel's activations a step for `act_bits`: `tile`, halved for four limbs (their
+    16 x 256 tile spilled registers on sm_90: python -m exactness.kernels.triton_aot)."""
+    return tile // 2 if dataflow.act_limbs(act_bits) == 4 else tile
+
+
 def quantize_constants(fmt, act_bits: int, block_m: int, block_k: int) -> dict:
     """quantize_kernel's compile-time constants for x in `fmt` (a FloatFormat)."""
     return dict(MANT=fmt.mant_bits, EXP=fmt.exp_bits, QMAX=act_qmax(act_bits),
-                TWO_LIMBS=dataflow.act_limbs(act_bits) == 2, LIMB_OFFSET=dataflow.LIMB_OFFSET,
-                BLOCK_M=block_m, BLOCK_K=block_k)
+                LIMBS=dataflow.act_limbs(act_bits), BLOCK_M=block_m, BLOCK_K=block_k)
 
 
-def group_constants(w_bits: int, two_limbs: bool, out, block_n: int = BLOCK_N,
+def group_constants(w_bits: int, limbs: int, out, block_n: int = BLOCK_N,
                     block_m: int = BLOCK_M, split: bool = False) -> dict:
-    """exact_group_kernel's compile-time constants, output in `out` (a FloatFormat)."""
-    return dict(W_BITS=w_bits, TWO_LIMBS=two_limbs, LIMB_OFFSET=dataflow.LIMB_OFFSET,
+    """exact_group_kernel's compile-time constants for activations in `limbs` int8 limbs,
+    output in `out` (a FloatFormat)."""
+    return dict(W_BITS=w_bits, LIMBS=limbs, LIMB_OFFSET=dataflow.offset_for_limbs(limbs),
                 DOT_ACC=_INT[dataflow.DOT_ACC_BITS], COMBINE_ACC=_INT[dataflow.COMBINE_ACC_BITS],
                 OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits, BLOCK_M=block_m, BLOCK_N=block_n,
                 SPLIT=split)
@@ -373,7 +405,7 @@ def quantize(x: torch.Tensor, act_bits: int, slices: int | None = None,
     limbs = torch.empty((dataflow.act_limbs(act_bits), m, k), dtype=torch.int8, device=x.device)
     e_r = torch.empty(m, dtype=torch.int64, device=x.device)
     nonfinite = torch.empty(m, dtype=torch.int8, device=x.device)
-    block_m, block_k = quantize_tile(m, tile)
+    block_m, block_k = quantize_tile(m, quant_tile(act_bits, tile))
     row_blocks, steps = triton.cdiv(m, block_m), triton.cdiv(k, block_k)
     slice_k = triton.cdiv(steps, slices or quantize_slices(row_blocks, steps, x.device)) * block_k
     quantize_kernel[(row_blocks, triton.cdiv(k, slice_k))](
@@ -427,7 +459,7 @@ def linear(limbs: torch.Tensor, e_r: torch.Tensor, weight_packed: torch.Tensor,
                         triton.cdiv(groups, per_slice))](
         limbs, weight_packed, factor, row_sums, e_r, emin, y_bits, t, m, n, groups, per_slice,
         limbs.stride(0), limbs.stride(1), weight_packed.stride(0), factor.stride(0), y.stride(0),
-        **group_constants(w_bits, n_limbs == 2, out, block_n, block_m, split), num_warps=num_warps)
+        **group_constants(w_bits, n_limbs, out, block_n, block_m, split), num_warps=num_warps)
     if split:
         combine_kernel[(triton.cdiv(m, COMBINE_BLOCK), triton.cdiv(n, COMBINE_BLOCK))](
             t, t, e_r, emin, y_bits, m, n, t.stride(0), y.stride(0),
@@ -514,10 +546,10 @@ class _TritonKernel:
     (rows_per_launch); the non-finite flags are read back once every launch is queued."""
 
     family, layout, auto, grouped = "triton", "triton", True, False
-    act_limbs = dataflow.KERNEL_ACT_LIMBS
 
     def __init__(self, name: str, folded: bool, min_rows: int):
         self.name, self.folded, self.min_rows = name, folded, min_rows
+        self.act_limbs = dataflow.GEMM_ACT_LIMBS if folded else dataflow.GROUP_ACT_LIMBS
 
     def available(self, device: torch.device) -> Fit:
         if triton is None:

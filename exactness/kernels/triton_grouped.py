@@ -13,8 +13,9 @@ from the scales as it goes: each weight row's emin and spread, then per group th
 f = ms << (es - emin). A row whose spread exceeds dataflow.certified_spread is computed as zero
 and counted in `trouble`, as are a non-finite scale and a weight_shape that disagrees: the caller
 then takes the per-expert path, whose layers handle them. The dataflow is exact_group_kernel's:
-int8 dots per limb into P', P' * f into int64, with the limb offset's LIMB_OFFSET * sum_k q * f
-added per group (the same T, within dataflow.combine_bound in any order: proved, combine-*).
+int8 dots per limb into P', P' * f into int64 (four limbs: two int32 halves, group_sums), with
+the limb offset's LIMB_OFFSET * sum_k q * f added per group (the same T, within
+dataflow.combine_bound in any order: proved, combine-*).
 """
 
 from __future__ import annotations
@@ -32,13 +33,13 @@ from .triton_exact import _BITS, _INT, BLOCK_M, BLOCK_N, triton
 if triton is not None:
     import triton.language as tl
 
-    from .triton_exact import decode, store_exact, unpack_fields
+    from .triton_exact import decode, group_sums, group_term, store_exact, unpack_fields
 
     @triton.jit
     def grouped_kernel(
         a_ptr, e_ptr, source_ptr, block_rows_ptr, block_expert_ptr, used_ptr, table_ptr,
         trouble_ptr, y_ptr, rows_total, N, K, stride_limb, stride_am, stride_ym,
-        W_BITS: tl.constexpr, TWO_LIMBS: tl.constexpr, LIMB_OFFSET: tl.constexpr,
+        W_BITS: tl.constexpr, LIMBS: tl.constexpr, LIMB_OFFSET: tl.constexpr,
         DOT_ACC: tl.constexpr, COMBINE_ACC: tl.constexpr, SPREAD_LIMIT: tl.constexpr,
         OUT_MANT: tl.constexpr, OUT_EXP: tl.constexpr, PARTS: tl.constexpr,
         GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -98,17 +99,13 @@ if triton is not None:
                             + (g * W_BITS + offs_w)[None, :], mask=mask_n[:, None], other=0)
             w8 = tl.reshape(unpack_fields(words, fields, W_BITS).to(tl.int8), (BLOCK_N, 32))
             a_ptrs = a_ptr + src[:, None] * stride_am + (g * 32 + offs_k)[None, :]
-            p = tl.dot(tl.load(a_ptrs, mask=valid[:, None], other=0), tl.trans(w8),
-                       out_dtype=DOT_ACC)
-            if TWO_LIMBS:  # P' = 256 * D_hi + D_lo
-                a_hi = tl.load(a_ptrs + stride_limb, mask=valid[:, None], other=0)
-                p += tl.dot(a_hi, tl.trans(w8), out_dtype=DOT_ACC) * 256
+            p, p_hi = group_sums(a_ptrs, stride_limb, valid, w8, LIMBS, DOT_ACC)
             b = tl.load(s_ptr + offs_n * groups + g, mask=mask_n, other=0).to(tl.int32) & 0xFFFF
             ms, es = decode(b, 7, 8)
             # an int32 for every certified spread (proved: scale-factor); slow rows: zero
             f = tl.where(slow, 0, ms << tl.where(ms != 0, es - emin, 0))
-            acc += p.to(COMBINE_ACC) * f.to(COMBINE_ACC)[None, :]
-            if TWO_LIMBS:  # P = P' + LIMB_OFFSET * sum_k q
+            acc += group_term(p, p_hi, f, LIMBS, COMBINE_ACC)
+            if LIMBS > 1:  # P = P' + LIMB_OFFSET * sum_k q
                 q_sum = tl.sum(w8.to(tl.int32), axis=1)
                 acc += (LIMB_OFFSET * q_sum.to(COMBINE_ACC) * f.to(COMBINE_ACC))[None, :]
         e_r = tl.load(e_ptr + src, mask=valid, other=0)
@@ -120,8 +117,8 @@ if triton is not None:
 def grouped_constants(w_bits: int, act_bits: int, k: int, out: FloatFormat, parts: int,
                       gather: bool, block_m: int = BLOCK_M, block_n: int = BLOCK_N) -> dict:
     """grouped_kernel's compile-time constants, output in `out` (a FloatFormat)."""
-    return dict(W_BITS=w_bits, TWO_LIMBS=dataflow.act_limbs(act_bits) == 2,
-                LIMB_OFFSET=dataflow.LIMB_OFFSET, DOT_ACC=_INT[dataflow.DOT_ACC_BITS],
+    return dict(W_BITS=w_bits, LIMBS=dataflow.act_limbs(act_bits),
+                LIMB_OFFSET=dataflow.limb_offset(act_bits), DOT_ACC=_INT[dataflow.DOT_ACC_BITS],
                 COMBINE_ACC=_INT[dataflow.COMBINE_ACC_BITS],
                 SPREAD_LIMIT=dataflow.certified_spread(k, w_bits, act_bits),
                 OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits, PARTS=parts, GATHER=gather,
@@ -188,7 +185,7 @@ class _TritonGroupedKernel:
 
     name, family, layout, min_rows = "triton-grouped", "triton", "triton-grouped", 0
     auto, grouped, reads = False, True, "buffers"
-    act_limbs = dataflow.KERNEL_ACT_LIMBS
+    act_limbs = dataflow.GROUP_ACT_LIMBS
 
     def available(self, device: torch.device) -> Fit:
         return triton_exact.GROUP.available(device)

@@ -354,6 +354,7 @@ NON_FINITE = "tests/test_errors.py::test_layer_non_finite_x_counts[triton-group]
 QUANTIZE_SLICES = "tests/test_modules.py::test_the_quantize_kernel_at_any_slicing_and_tile"
 SPANS_EDGE = "tests/test_modules.py::test_span_kernel_at_the_int32_edge"
 LIMBS_32 = "tests/test_proofs.py::test_activation_limbs_recombine_at_every_width[32]"
+ACT32_KERNELS = "tests/test_act32.py::test_a_kernel_holds_32_bits_or_refuses_them_by_name"
 SPANS_CHAIN = "tests/test_modules.py::test_span_bounds_attacked_one_chain_at_a_time"
 GROUPED_KERNEL = "exactness.kernels.triton_grouped:grouped_kernel"
 
@@ -440,6 +441,20 @@ CATALOGUE = (
            "a group's word offset hard-coded for int4: 8-bit weights read from the wrong words",
            ("tests/test_modules.py::test_the_triton_kernels_at_8_bit_weights[triton-group]",
             TRITON)),
+    # the Triton kernels at 32-bit activations: four limbs, P' in two int32 halves
+    Mutant("kernel-32-top-limb-from-the-third", "exactness.kernels.triton_exact:group_sums",
+           "limb_dot(a_ptrs, 3 * stride_limb", "limb_dot(a_ptrs, 2 * stride_limb",
+           "the top activation limb read from the plane of the one below it (a limb dropped)",
+           (TRITON_VECTORS, TRITON, ACT32_KERNELS + "[triton-group]")),
+    Mutant("kernel-32-high-half-place-off", "exactness.kernels.triton_exact:group_term",
+           "f.to(COMBINE_ACC)[None, :]) << 16", "f.to(COMBINE_ACC)[None, :]) << 8",
+           "the high pair of limbs at 2**8, not 2**16: a limb's place value off by one",
+           (TRITON_VECTORS, TRITON, ACT32_KERNELS + "[triton-group]")),
+    Mutant("kernel-32-group-sum-in-int32", "exactness.kernels.triton_exact:group_term",
+           "term += (p_hi.to(COMBINE_ACC) * f.to(COMBINE_ACC)[None, :]) << 16",
+           "term += (p_hi << 16).to(COMBINE_ACC) * f.to(COMBINE_ACC)[None, :]",
+           "a group's high half placed in int32, where 32-bit activations need int64: it wraps",
+           (TRITON_VECTORS, TRITON, ACT32_KERNELS + "[triton-group]")),
     # --- accumulators
     Mutant("kernel-int32-combine", "exactness.kernels.triton_exact:group_constants",
            "COMBINE_ACC=_INT[dataflow.COMBINE_ACC_BITS]", "COMBINE_ACC=_INT[32]",
@@ -461,7 +476,7 @@ CATALOGUE = (
            "return min(3, -(-act_qmax(act_bits).bit_length() // LIMB_BITS))",
            "32-bit activations split into one limb too few",
            (LIMBS_32, "tests/test_proofs.py::test_the_limb_split_is_proved_at_every_width[32]")),
-    Mutant("act-limb-place-value-off-by-one", "exactness.dataflow:limb_offset",
+    Mutant("act-limb-place-value-off-by-one", "exactness.dataflow:offset_for_limbs",
            "2 ** (LIMB_BITS * (limbs - 1))", "2 ** (LIMB_BITS * (limbs - 1) - 1)",
            "a limb's place value off by one bit in the offset that centres the limbs",
            (LIMBS_32, GEMM)),
@@ -617,21 +632,18 @@ CATALOGUE = (
            "p_lo = _mm512_add_epi32(_mm512_slli_epi32(d[1][i], 8), d[0][i]);",
            "p_lo = _mm512_slli_epi32(d[1][i], 8);",
            "the lowest of four activation limbs never added (a limb dropped)",
-           (CPU_VECTORS, CPU, "tests/test_act32.py::test_a_kernel_holds_32_bits_or_refuses_"
-                              "them_by_name[vnni-limbs]")),
+           (CPU_VECTORS, CPU, ACT32_KERNELS + "[vnni-limbs]")),
     Mutant("vnni-32-high-half-place-off", C_KERNEL,
            "_mm512_slli_epi64(_mm512_mul_epi32(p_hi, c), 16)",
            "_mm512_slli_epi64(_mm512_mul_epi32(p_hi, c), 8)",
            "the high pair of limbs at 2**8, not 2**16: a limb's place value off by one",
-           (CPU_VECTORS, CPU, "tests/test_act32.py::test_a_kernel_holds_32_bits_or_refuses_"
-                              "them_by_name[vnni-limbs]")),
+           (CPU_VECTORS, CPU, ACT32_KERNELS + "[vnni-limbs]")),
     Mutant("vnni-32-group-sum-in-int32", C_KERNEL,
            """    return _mm512_add_epi64(_mm512_slli_epi64(_mm512_mul_epi32(p_hi, c), 16),
                             _mm512_mul_epi32(p_lo, c));""",
            "    return _mm512_mul_epi32(_mm512_add_epi32(_mm512_slli_epi32(p_hi, 16), p_lo), c);",
            "a group's P = 2**16 * P_hi + P_lo summed in int32, where 32-bit activations need "
-           "int64: it wraps", (CPU_VECTORS, CPU, "tests/test_act32.py::test_a_kernel_holds_32_"
-                                                 "bits_or_refuses_them_by_name[vnni-limbs]")),
+           "int64: it wraps", (CPU_VECTORS, CPU, ACT32_KERNELS + "[vnni-limbs]")),
     Mutant("vnni-rounding-ties-up", C_KERNEL, "_mm512_cmpeq_epi64_mask(rem, half) & odd;",
            "_mm512_cmpeq_epi64_mask(rem, half);",
            "the final rounding's ties away from zero instead of to even",

@@ -27,8 +27,8 @@ def simulate(case: LinearCase, dot_bits: int | None = None,
              combine_bits: int | None = None) -> np.ndarray:
     """Output bits of `case` through limbs -> group dots -> combine -> one rounding, wrapping at
     `dot_bits` / `combine_bits` (default: dataflow's). Exact Python integers in between. It is
-    the int8 kernels' dataflow: activations in more limbs than they carry raise ValueError."""
-    held = int8_limbs_hold(case.act_bits)
+    the int8 kernels' dataflow at one or two limbs: 32-bit activations raise ValueError."""
+    held = int8_limbs_hold(case.act_bits, dataflow.GEMM_ACT_LIMBS)
     if not held:
         raise ValueError(f"no int8 kernel's dataflow to simulate: {held.why}")
     dot_bits = dot_bits or dataflow.DOT_ACC_BITS

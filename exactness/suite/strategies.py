@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import strategies as st
 
+from .. import dataflow
 from ..contract import (
     ACT_BITS,
     BFLOAT16,
@@ -34,8 +35,9 @@ KIMI_DENSE_K = 18432
 seeds = st.integers(0, 2**32 - 1)
 formats = st.sampled_from([FORMATS["bfloat16"], FORMATS["float16"], FORMATS["float32"]])
 act_bits = st.sampled_from(ACT_BITS)
-# the widths the int8 kernels (C, Triton, int8 GEMMs) hold: 32 bits needs more limbs than they carry
-INT8_KERNEL_ACT_BITS = tuple(a for a in ACT_BITS if int8_limbs_hold(a))
+# the widths every int8 kernel holds: 32 bits need four limbs, which the int8 GEMMs do not carry
+# (the group kernels do: a kernel's own widths are paths.held_act_bits)
+INT8_KERNEL_ACT_BITS = tuple(a for a in ACT_BITS if int8_limbs_hold(a, dataflow.GEMM_ACT_LIMBS))
 weight_bits = st.sampled_from(WEIGHT_BITS)
 
 
