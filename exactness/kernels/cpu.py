@@ -159,8 +159,8 @@ def accumulate_float64(qa: torch.Tensor, weights: Float64Weights) -> torch.Tenso
 class _Float64Kernel:
     """Any activation width on the CPU, 32 bits included: two exact float64 GEMMs
     (accumulate_float64), the one rounding by formats. After the int8 kernels, of which only
-    the C kernel carries 32 bits; the int64 matmul takes what it does not hold (K and spread past
-    2**53)."""
+    the C kernel carries 32 bits on the CPU; the int64 matmul takes what it does not hold (K and
+    spread past 2**53)."""
 
     name, family, layout, auto, min_rows, grouped = "float64-gemm", "cpu", "float64", True, 0, \
         False

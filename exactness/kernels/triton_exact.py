@@ -388,7 +388,8 @@ def fold_constants(w_bits: int, w_limbs: int, block_n: int = FOLD_BLOCK_N,
 
 def combine_constants(a_limbs: int, w_limbs: int, out, block: int = COMBINE_BLOCK) -> dict:
     """combine_kernel's compile-time constants, output in `out` (a FloatFormat)."""
-    return dict(A_LIMBS=a_limbs, W_LIMBS=w_limbs, LIMB_OFFSET=dataflow.LIMB_OFFSET,
+    return dict(A_LIMBS=a_limbs, W_LIMBS=w_limbs,
+                LIMB_OFFSET=dataflow.offset_for_limbs(a_limbs),
                 OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits, BLOCK_M=block, BLOCK_N=block)
 
 
