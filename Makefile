@@ -33,11 +33,13 @@ mutants: setup
 	$(BIN)/python -m exactness mutants
 
 # mutmut (3.x), an outside tool's mutation score: at most MUTMUT_SECONDS, resumed where it
-# stopped by the next run; the score and survivors in reports/mutmut.txt (docs/VERIFY.md)
+# stopped by the next run; the score and survivors in reports/mutmut.txt (docs/VERIFY.md).
+# MUTANTS narrows a run to some mutants by name, e.g. MUTANTS='exactness.kimi.*'
 MUTMUT_SECONDS ?= 3600
+MUTANTS ?=
 mutmut: setup
 	$(BIN)/pip install -q mutmut==3.8.1
-	-HYPOTHESIS_PROFILE=ci-kill OMP_NUM_THREADS=1 TRITON_INTERPRET=1 timeout $(MUTMUT_SECONDS) $(BIN)/mutmut run --max-children 2
+	-HYPOTHESIS_PROFILE=ci-kill OMP_NUM_THREADS=1 TRITON_INTERPRET=1 timeout $(MUTMUT_SECONDS) $(BIN)/mutmut run --max-children 2 $(MUTANTS)
 	$(BIN)/python -m exactness.suite.mutmut_score
 
 repro: setup

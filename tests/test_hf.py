@@ -12,6 +12,7 @@ from transformers import AutoModelForCausalLM
 from exactness import PackedInt4Linear, hf
 from exactness.formats import tensor_to_bits
 from exactness.kimi import (
+    SHARED_OR_DENSE,
     ExactExperts,
     KimiCheckpointError,
     KimiConversionError,
@@ -105,20 +106,44 @@ def kimi_k25_model(text_model):
     return model
 
 
-def test_convert_a_transformers_model_in_place(checkpoint, model):
+def test_convert_a_transformers_model_in_place(checkpoint, model, monkeypatch):
     """convert_kimi_to_exact on transformers' own model (K2: DeepseekV3ForCausalLM; K2.5:
-    Kimi_K25ForConditionalGeneration): the fused experts become ExactExperts loaded from the
-    shards, the bf16 rest is left as it was, and the logits are from_pretrained's."""
+    Kimi_K25ForConditionalGeneration): the fused experts become ExactExperts, built on meta
+    (no memory) and loaded from the shards; the bf16 rest is left as it was, and only the
+    shared and dense MLP's projections are listed so; the logits are from_pretrained's."""
     import copy
 
+    built, like = [], ExactExperts.like
+
+    def building(*args, **kwargs):
+        experts = like(*args, **kwargs)
+        built.append({t.device.type for t in experts.buffers()})
+        return experts
+
+    monkeypatch.setattr(ExactExperts, "like", building)
     k25 = "kimi_k25" in (checkpoint / "config.json").read_text()
     target = kimi_k25_model(model) if k25 else copy.deepcopy(model)
     report = convert_kimi_to_exact(target, checkpoint)
     assert report.routed_loaded == TINY["n_routed_experts"] * 3
+    assert built and all(devices == {"meta"} for devices in built)
+    assert report.left_bf16 and all(SHARED_OR_DENSE.search(n) for n in report.left_bf16)
     ids = torch.tensor([[5, 6, 7]])
     with torch.no_grad():
         assert torch.equal(target(input_ids=ids).logits,
                            hf.from_pretrained(checkpoint)(ids).logits)
+
+
+def test_convert_without_a_checkpoint_builds_on_the_models_device(model):
+    """Without a checkpoint the fused experts' ExactExperts are built where the model is (not
+    on meta, as for loading), so the converted model runs at once."""
+    import copy
+
+    target = copy.deepcopy(model)
+    report = convert_kimi_to_exact(target)
+    assert report.routed_loaded == 0 and report.routed_converted == TINY["n_routed_experts"] * 3
+    assert {t.device.type for t in (*target.parameters(), *target.buffers())} == {"cpu"}
+    with torch.no_grad():
+        assert target(input_ids=torch.tensor([[5, 6, 7]])).logits.isfinite().all()
 
 
 def test_the_cli_checks_a_transformers_written_checkpoint(checkpoint, capsys):

@@ -1,6 +1,7 @@
 """Kimi hooks on checkpoints the tests write in the real format (compressed-tensors' compressor)."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -144,7 +145,7 @@ NAME = "model.layers.1.mlp.experts.2.up_proj"
      KimiCheckpointError, r"up_proj: weight_packed: shape \(32, 4\)"),
     (lambda c: rewrite_tensor(c, f"{NAME}.weight_scale", torch.full((32, 2), float("nan"),
                                                                      dtype=torch.bfloat16)),
-     KimiCheckpointError, r"up_proj.*non-finite"),
+     KimiCheckpointError, r"up_proj: weight_scale has 64 non-finite"),
 ])
 def test_bad_tensors_name_the_tensor_and_the_file(tmp_path, change, error, match):
     ckpt = corrupt(tmp_path, change)
@@ -195,6 +196,7 @@ def test_every_conversion_option_computes_at_its_setting(tmp_path, act_bits, den
              if isinstance(m, nn.Linear)}
     report = convert_kimi_to_exact(model, ckpt, act_bits=act_bits, dense_bits=dense_bits)
     assert len(report.left_bf16) == (len(dense) if dense_bits is None else 0)
+    assert report.dense_converted == (0 if dense_bits is None else len(dense))
     x = {64: torch.randn(3, 64).bfloat16(), 32: torch.randn(3, 32).bfloat16(),
          128: torch.randn(3, 128).bfloat16()}
     for name, layer in model.named_modules():
@@ -516,3 +518,305 @@ def test_cli_refuses_non_positive_tokens(tmp_path, tokens):
     done = kimi_cli(ckpt, "--tokens", tokens)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stdout + done.stderr
     assert f"--tokens: must be a positive integer, got {tokens}" in done.stderr
+
+
+# --------------------------------------------------------------------------- what mutmut found
+
+
+def test_the_check_in_process_names_the_file_of_a_corrupted_tensor(tmp_path, capsys):
+    """The CLI's check, in this process (mutmut sees no subprocess): a tensor its layer refuses
+    fails the check, naming the tensor's file and projection."""
+    from exactness.suite.kimi_check import check_checkpoint
+
+    ckpt = corrupt(tmp_path, lambda c: rewrite_tensor(
+        c, f"{NAME}.weight_scale", torch.full((32, 2), float("inf"), dtype=torch.bfloat16)))
+    assert check_checkpoint(ckpt, tokens=1) == 1
+    out = capsys.readouterr().out
+    assert re.search(rf"model-0000\d-of-00002\.safetensors: {NAME}: .*non-finite", out), out
+
+
+@pytest.mark.parametrize("act_bits", [16, 8])
+def test_loading_keeps_the_tensors_it_read(tmp_path, monkeypatch, act_bits):
+    """No second copy of a checkpoint's tensors: each routed layer holds the very tensors read
+    from the shards (the model's own layers at their act_bits, new ones at another), and the
+    checkpoint is closed after."""
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    read, closed = {}, []
+    real_read, real_close = KimiCheckpoint.read_packed, KimiCheckpoint.close
+    monkeypatch.setattr(KimiCheckpoint, "read_packed", lambda self, layer, name: read.setdefault(
+        name, real_read(self, layer, name)))
+    monkeypatch.setattr(KimiCheckpoint, "close", lambda self: (closed.append(1),
+                                                               real_close(self))[1])
+    model = KimiModel(KimiConfig(**SMALL))
+    own = experts(model)
+    report = convert_kimi_to_exact(model, ckpt, act_bits=act_bits)
+    now = experts(model)
+    assert len(read) == report.routed_loaded == report.routed_converted == len(now) > 0
+    assert all((now[name] is own[name]) == (act_bits == 16) for name in now)
+    for name, layer in now.items():
+        for key, tensor in read[name].items():
+            assert getattr(layer, key).data_ptr() == tensor.data_ptr(), (name, key)
+    assert closed == [1]
+    read.clear()
+    layer, checkpoint = PackedInt4Linear(64, 32), KimiCheckpoint(ckpt)
+    checkpoint.load_packed(layer, NAME)
+    checkpoint.close()
+    assert all(getattr(layer, key).data_ptr() == tensor.data_ptr()
+               for key, tensor in read[NAME].items())
+
+
+def test_conversion_without_a_checkpoint_converts_in_place():
+    """Without a checkpoint, each routed nn.Linear becomes a PackedInt4Linear on the model's
+    device (its weights to be loaded later), nothing is read, and the model runs."""
+    model = KimiModel(KimiConfig(**SMALL, use_exact_generators=False))
+    report = convert_kimi_to_exact(model)
+    routed = experts(model)
+    assert report.routed_loaded == 0
+    assert report.routed_converted == len(routed) == 4 * 3  # one MoE layer of 4 experts
+    assert {t.device.type for layer in routed.values() for t in layer.buffers()} == {"cpu"}
+    assert model(torch.randn(2, 64).bfloat16()).shape == (2, 64)
+
+
+def test_a_wrong_dense_bits_names_itself():
+    with pytest.raises(ValueError, match="dense_bits must be None, 4 or 8, got 5"):
+        convert_kimi_to_exact(KimiModel(KimiConfig(**SMALL)), dense_bits=5)
+
+
+def test_the_model_keeps_its_config_and_the_routers_dtype():
+    """The config as given; the router's weight in bf16 as the checkpoint stores it (its bias
+    in fp32)."""
+    config = KimiConfig(**SMALL)
+    model = KimiModel(config)
+    assert model.config is config
+    gate = model.model.layers[1].mlp.gate
+    assert (gate.weight.dtype, gate.e_score_correction_bias.dtype) == (torch.bfloat16,
+                                                                       torch.float32)
+
+
+@pytest.mark.parametrize("value, kind", [(None, "null or nothing"), (True, "a bool"),
+                                         (3, "a number"), (2.5, "a number"), ("s", "a string"),
+                                         ([1], "a list"), ({}, "an object"),
+                                         (b"x", "bytes")])
+def test_a_json_value_is_named_by_its_kind(value, kind):
+    from exactness.kimi import _json_kind
+
+    assert _json_kind(value) == kind
+
+
+def test_a_long_value_is_cut_to_sixty_characters():
+    from exactness.kimi import _short
+
+    assert _short("a" * 58) == repr("a" * 58)  # 60 characters with its quotes
+    assert _short("a" * 59) == repr("a" * 59)[:57] + "..."
+    assert len(_short("a" * 59)) == 60
+
+
+def single_file(tmp_path, change=None) -> Path:
+    """A one-file checkpoint, its model.safetensors passed through `change` (bytes -> bytes)."""
+    ckpt = write_checkpoint(tmp_path / "one", single_file=True)
+    if change is not None:
+        file = ckpt / "model.safetensors"
+        file.write_bytes(change(file.read_bytes()))
+    return ckpt
+
+
+def payload_size(data: bytes) -> int:
+    return len(split_safetensors(data)[1])
+
+
+def add_empty_tensor(header: dict) -> None:
+    end = max(e["data_offsets"][1] for k, e in header.items() if k != "__metadata__")
+    header["empty"] = {"dtype": "I32", "shape": [0], "data_offsets": [end, end]}
+
+
+@pytest.mark.parametrize("change, match", [
+    (lambda d: d[:7], r"model.safetensors: truncated \(no safetensors header\)"),
+    (lambda d: bytes(8), r"model.safetensors: header: not valid JSON"),
+    (lambda d: (len(d) - 7).to_bytes(8, "little") + d[8:],
+     r"model.safetensors: header claims \d+ bytes, the file has \d+: refusing the allocation"),
+    (edit_header(lambda h: first_tensor(h).update(data_offsets=[8, 4])),
+     r"tensor .*: data_offsets \[8, 4\] are not \[begin, end\]"),
+    (edit_header(lambda h: first_tensor(h).update(data_offsets=[0, 4, 8])),
+     r"tensor .*: data_offsets \[0, 4, 8\] are not \[begin, end\]"),
+    (edit_header(lambda h: first_tensor(h).update(shape=[1], data_offsets=[4, 12])),
+     r"tensor .*: data_offsets hold 8 bytes for shape \[1\] of I32"),
+    (lambda d: join_safetensors([1], split_safetensors(d)[1]),
+     r"model.safetensors: header: expected a JSON object, got a list"),
+], ids=["seven-bytes", "eight-bytes", "header-one-past", "offsets-reversed", "offsets-three",
+        "size-eight-bytes", "header-a-list"])
+def test_a_shards_edges_are_refused_by_name(tmp_path, change, match):
+    """Each edge of a shard's layout, one step past it, with the message naming what is wrong."""
+    with pytest.raises(KimiCheckpointError, match=match):
+        KimiCheckpoint(single_file(tmp_path, change))
+
+
+def test_a_shards_edges_just_inside_are_read(tmp_path):
+    """Just inside each edge: metadata first, an empty tensor, a shard whose header fills it
+    (no data), and data ending at the file's very end all read; one byte past that end does
+    not."""
+    def change(data):
+        header, payload = split_safetensors(data)
+        header = {"__metadata__": {"format": "pt"}, **header}
+        add_empty_tensor(header)
+        return join_safetensors(header, payload)
+
+    ckpt = KimiCheckpoint(single_file(tmp_path, change))
+    assert ckpt.read("empty").shape == (0,) and ckpt.read("empty").dtype == torch.int32
+    assert ckpt.read(f"{NAME}.weight_packed").shape == (32, 8)
+    assert set(ckpt.routed_experts()) == {(1, e) for e in range(4)}
+
+    sharded = write_checkpoint(tmp_path / "sharded")
+    (sharded / "header-only.safetensors").write_bytes(join_safetensors(
+        {"empty": {"dtype": "I32", "shape": [0], "data_offsets": [0, 0]}}, b""))
+    set_key(sharded / "model.safetensors.index.json", ("weight_map", "empty"),
+            "header-only.safetensors")
+    assert KimiCheckpoint(sharded).read("empty").shape == (0,)
+
+    def one_past(data):
+        end = payload_size(data) + 1
+        return edit_header(lambda h: first_tensor(h).update(
+            data_offsets=[first_tensor(h)["data_offsets"][0], end]))(data)
+
+    with pytest.raises(KimiCheckpointError, match=r"data_offsets \[\d+, \d+\] run past the end"):
+        KimiCheckpoint(single_file(tmp_path / "past", one_past))
+
+
+def test_a_shard_name_that_escapes_or_is_missing_names_itself(tmp_path):
+    for name, match in (("../outside.safetensors", r"shard '../outside.safetensors' escapes"),
+                        ("gone.safetensors", r"shard 'gone.safetensors' is missing"),
+                        ("bad\x00name.safetensors", r"shard 'bad\\x00name.safetensors': not a "
+                                                     r"usable file name \(.*null.*\)"),
+                        ("x" * 300, r"shard 'x{56}\.\.\.: not a usable file name "
+                                    r"\(File name too long\)")):
+        ckpt = write_checkpoint(tmp_path / f"ckpt{len(match)}")
+        set_key(ckpt / "model.safetensors.index.json", ("weight_map", f"{NAME}.weight_packed"),
+                name)
+        with pytest.raises(KimiCheckpointError, match=match):
+            KimiCheckpoint(ckpt).read(f"{NAME}.weight_packed")
+
+
+def test_tensor_names_with_and_without_the_k25_prefix(tmp_path):
+    k2, k25 = (KimiCheckpoint(write_checkpoint(tmp_path / n, k25=n == "k25"))
+               for n in ("k2", "k25"))
+    assert k2.name_for(f"language_model.{NAME}", "weight_packed") == f"{NAME}.weight_packed"
+    assert k25.name_for(NAME, "weight_packed") == f"language_model.{NAME}.weight_packed"
+    with pytest.raises(KimiCheckpointError,
+                       match=r"tensor 'x.weight_packed' is not in the checkpoint's weight_map"):
+        k2.name_for("x", "weight_packed")
+
+
+def test_a_dtype_the_reader_does_not_load_is_named(tmp_path):
+    def as_f64(h):
+        entry = first_tensor(h)
+        begin, end = entry["data_offsets"]
+        entry.update(dtype="F64", shape=[(end - begin) // 8])
+
+    ckpt = KimiCheckpoint(single_file(tmp_path, edit_header(as_f64)))
+    name = next(n for n in sorted(ckpt.weight_map))
+    with pytest.raises(KimiCheckpointError, match=r"dtype F64, not one this reader loads "
+                                                  r"\(I32, .*BF16.*\)"):
+        ckpt.read(name)
+
+
+def test_a_wrong_weight_shape_names_both_shapes(tmp_path):
+    ckpt = corrupt(tmp_path, lambda c: rewrite_tensor(
+        c, f"{NAME}.weight_shape", torch.tensor([32, 96], dtype=torch.int32)))
+    with pytest.raises(KimiCheckpointError, match=r"weight_shape: \[32, 96\], but the layer is "
+                                                  r"\[32, 64\]"):
+        convert_kimi_to_exact(KimiModel(KimiConfig(**SMALL)), ckpt)
+
+
+@pytest.mark.parametrize("value, ok", [(2.5, True), (3, True), (True, False), ("2.5", False),
+                                       (float("inf"), False)])
+def test_a_float_config_field_takes_finite_numbers_only(tmp_path, value, ok):
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    set_key(ckpt / "config.json", "routed_scaling_factor", value)
+    if ok:
+        assert KimiCheckpoint(ckpt).config.routed_scaling_factor == value
+    else:
+        with pytest.raises(KimiCheckpointError, match=rf"routed_scaling_factor: expected a "
+                                                      rf"finite number, got {value!r}"):
+            KimiCheckpoint(ckpt)
+
+
+def test_the_report_counts_bytes_and_memory_as_it_says(monkeypatch):
+    """Without a checkpoint nothing is read; peak_rss_growth is ru_maxrss's growth (KiB on
+    Linux) in bytes."""
+    import resource
+
+    peaks = iter([1000, 3000])
+    monkeypatch.setattr(resource, "getrusage", lambda who: type("U", (), {
+        "ru_maxrss": next(peaks)}))
+    report = convert_kimi_to_exact(KimiModel(KimiConfig(**SMALL)))
+    assert report.bytes_read == 0 and report.peak_rss_growth == 2000 * 1024
+    assert report.summary() == {"routed_converted": 12, "routed_loaded": 0,
+                                "dense_converted": 0, "left_bf16": 6, "bytes_read": 0,
+                                "peak_rss_growth": 2000 * 1024}
+
+
+def test_k25s_wrapper_is_its_language_model():
+    model = KimiK25(KimiConfig(**SMALL))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.05)
+    x = torch.randn(2, 64).bfloat16()
+    y = model(x)
+    assert torch.equal(y, model.language_model(x)) and torch.count_nonzero(y - x) > 0
+
+
+def test_only_a_module_with_both_fused_tensors_is_fused_experts():
+    from exactness.kimi import is_fused_experts
+
+    module = nn.Module()
+    module.num_experts = 2
+    module.gate_up_proj = nn.Parameter(torch.zeros(2, 64, 64))
+    assert not is_fused_experts(module)
+    module.down_proj = nn.Linear(32, 64)
+    assert not is_fused_experts(module)
+    module.down_proj = nn.Parameter(torch.zeros(2, 64, 32))
+    assert is_fused_experts(module)
+
+
+@pytest.mark.parametrize("k25, key, value, match", [
+    (True, "hidden_size", 48, r"config.json: text_config.hidden_size: 48 is not a multiple of 32"),
+    (True, "moe_intermediate_size", None,
+     r"config.json: text_config.moe_intermediate_size: missing"),
+    (False, "moe_intermediate_size", 0, r"moe_intermediate_size: 0 is not a multiple of 32"),
+    (False, "moe_intermediate_size", -32, r"moe_intermediate_size: expected an int >= 0, got -32"),
+    (False, "routed_scaling_factor", float("nan"),
+     r"routed_scaling_factor: expected a finite number, got nan"),
+    (False, "exact_act_bits", 5, r"config.json: exact_act_bits: .*5"),
+    (False, "quantization_config", None,
+     r"config.json: no quantization_config \(top level or text_config\)"),
+    (False, "quantization_config.quant_method", "gptq",
+     r"quantization_config.quant_method = 'gptq', expected 'compressed-tensors'"),
+    (True, "quantization_config.quant_method", "gptq",
+     r"text_config.quantization_config.quant_method = 'gptq'"),
+], ids=["k25-hidden-48", "k25-moe-missing", "moe-zero", "moe-negative", "scaling-nan",
+        "act-bits-5", "no-quantization", "quant-method", "k25-quant-method"])
+def test_config_fields_are_refused_by_their_full_name(tmp_path, k25, key, value, match):
+    """Each config field's error names the file and the field as it is nested (K2.5: under
+    text_config), and the value it refused."""
+    ckpt = write_checkpoint(tmp_path / "ckpt", k25=k25)
+    path = (("text_config." if k25 else "") + key).split(".")
+    set_key(ckpt / "config.json", tuple(path), DELETE if value is None else value)
+    with pytest.raises(KimiCheckpointError, match=match):
+        KimiCheckpoint(ckpt)
+
+
+def test_config_fields_just_inside_their_limits_are_taken(tmp_path):
+    """A field of 0 where an int >= 0 is asked, and K2.5's quantization_config at the top level
+    (some exports put it there)."""
+    ckpt = write_checkpoint(tmp_path / "ckpt", k25=True)
+    config = json.loads((ckpt / "config.json").read_text())
+    config["quantization_config"] = config["text_config"].pop("quantization_config")
+    config["text_config"]["first_k_dense_replace"] = 0
+    (ckpt / "config.json").write_text(json.dumps(config))
+    assert KimiCheckpoint(ckpt).config.first_k_dense_replace == 0
+
+
+def test_a_json_key_that_would_break_the_line_is_quoted():
+    from exactness.kimi import _key
+
+    assert _key("group_0") == "group_0"
+    assert _key("a\nb") == repr("a\nb")

@@ -2,6 +2,7 @@
 per-expert loops, bit for bit, for any routing; the block's batch invariance; what the grouped
 call does with what it cannot compute; one read-back per call on the GPU's path."""
 
+import re
 import warnings
 
 import numpy as np
@@ -243,9 +244,118 @@ def test_the_models_take_the_grouped_call_by_default(monkeypatch):
     monkeypatch.setattr(type(native.GROUPED), "run_grouped",
                         lambda self, *a, **kw: (calls.append(a[0].shape), real(*a, **kw))[1])
     skip_unless_here("vnni-grouped")
-    kimi_moe()(torch.randn(5, 64).bfloat16())
+    block, x = kimi_moe(), torch.randn(5, 64).bfloat16()
+    grouped = block(x)
     assert len(calls) == 2  # gate and up, then down
     assert ExactExperts(2, 64, 32, torch.nn.SiLU()).grouped
+    block.grouped = False  # transformers' loop, and no grouped call
+    assert torch.equal(block(x), grouped) and len(calls) == 2
+    block.grouped = True  # experts of two widths: the grouped call runs the loop instead
+    block.experts[1].gate_proj.act_bits = 8
+    other = block(x)
+    block.grouped = False
+    assert torch.equal(other, block(x)) and len(calls) == 2
+
+
+
+@pytest.mark.parametrize("act_bits", [16, 32])
+def test_ordinary_calls_never_fall_back_to_the_loop(monkeypatch, act_bits):
+    """The grouped call and the per-expert loop give the same bits, so only the path taken tells
+    them apart: every ordinary call takes exactly two grouped calls and never the loop. Padding
+    slots, a token routed nowhere, slow rows, int32 ids, an fp32 x, a gradient, one token."""
+    skip_unless_here("vnni-grouped")
+    calls = []
+    real = native.GROUPED.run_grouped
+    monkeypatch.setattr(type(native.GROUPED), "run_grouped", lambda self, *a: (
+        calls.append((a[0].shape, a[7] is moe.WORKSPACE)), real(*a))[1])
+
+    def loop(*args):
+        raise AssertionError("the per-expert loop ran")
+
+    experts = experts_of(zero_case(3))
+    experts.per_expert = loop
+    for layer in (layer for e in experts for layer in (e.gate_proj, e.up_proj, e.down_proj)):
+        layer.act_bits = act_bits
+    scale = experts[1].up_proj.weight_scale  # slow rows: a spread of 64
+    scale.data.copy_(bits_to_tensor(np.where(np.arange(scale.numel()).reshape(scale.shape) % 2,
+                                             0x3F80, 0x1F80), "bfloat16"))
+    g = torch.Generator().manual_seed(act_bits)
+    x = torch.randn(4, 64, generator=g)
+    ids = torch.tensor([[0, 1], [1, 3], [3, 3], [2, 0]], dtype=torch.int32)
+    weights = torch.rand(4, 2, generator=g)
+    for x_, ids_, w_ in ((x.bfloat16(), ids, weights), (x, ids, weights),
+                         (x.bfloat16().requires_grad_(), ids, weights),
+                         (x[:1].bfloat16(), ids[:1], weights[:1])):
+        calls.clear()
+        moe.WORKSPACE.clear()
+        y = experts(x_, ids_, w_)
+        assert len(calls) == 2 and all(kept for _, kept in calls), calls  # gate/up, down
+        want = ExactExperts.per_expert(experts, x_.detach(), ids_, w_)
+        assert (tensor_to_bits(y.detach()) == tensor_to_bits(want)).all()
+        assert torch.count_nonzero(y) > 0
+        # the CPU's buffers are the workspace's: h holds the routed rows' activations, and the
+        # next call of the same size allocates nothing
+        kept = {slot: b.data_ptr() for slot, b in moe.WORKSPACE.buffers.items()}
+        routed = int((ids_ < 3).sum())
+        assert set(kept) == {"x", "y", "h"}
+        assert moe.WORKSPACE.buffers["h"].numel() == routed * 32 * x_.dtype.itemsize
+        experts(x_, ids_, w_)
+        assert kept == {slot: b.data_ptr() for slot, b in moe.WORKSPACE.buffers.items()}
+
+
+def test_the_loop_runs_where_the_grouped_call_has_no_path(monkeypatch):
+    """Under jit tracing, for an x not [tokens, hidden] and for no tokens, experts_forward hands
+    the call to the per-expert loop (whose result or error it returns as it is)."""
+    experts = experts_of(zero_case(2))
+    loop = object()
+
+    def call(x, ids):
+        return moe.experts_forward(experts, experts.act_fn, x, ids, torch.ones(ids.shape),
+                                   torch.bfloat16, lambda: loop)
+
+    ids = torch.tensor([[0, 1], [1, 0]])
+    assert call(torch.ones(1, 2, 64).bfloat16(), ids) is loop
+    assert call(torch.ones(0, 64).bfloat16(), ids[:0]) is loop
+    assert call(torch.ones(2, 64).bfloat16(), ids) is not loop
+    monkeypatch.setattr(torch.jit, "is_tracing", lambda: True)
+    assert call(torch.ones(2, 64).bfloat16(), ids) is loop
+
+
+@pytest.mark.parametrize("ids, weights", [([[0, 1], [1, 0], [0, 1]], [[1, 1]] * 3),
+                                          ([[0, 1], [1, 0]], [[1, 1, 1]] * 2),
+                                          ([0, 1], [1, 1])],
+                         ids=["tokens", "top_k", "one-dimensional"])
+def test_routing_that_disagrees_with_x_is_a_typed_error(ids, weights):
+    experts = experts_of(zero_case(2))
+    ids, weights = torch.tensor(ids), torch.tensor(weights, dtype=torch.float32)
+    says = (f"hidden_states (2, 64), top_k_index {tuple(ids.shape)} and top_k_weights "
+            f"{tuple(weights.shape)} disagree on tokens or top_k")
+    with pytest.raises(ShapeError, match=re.escape(says)):
+        experts(torch.ones(2, 64).bfloat16(), ids, weights)
+
+
+def test_an_expert_no_token_routes_to_is_never_read(monkeypatch):
+    """As in the per-expert loop, an expert without rows is never read, nor its widths taken:
+    no token routes to expert 0, which has a broken weight_shape, then another act_bits. The
+    grouped call still runs, twice, with the loop's bits."""
+    skip_unless_here("vnni-grouped")
+    calls = []
+    real = native.GROUPED.run_grouped
+    monkeypatch.setattr(type(native.GROUPED), "run_grouped",
+                        lambda self, *a: (calls.append(1), real(*a))[1])
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
+    ids, weights = torch.tensor([[1, 2], [2, 3], [1, 3]]), torch.rand(3, 2)
+    for broken in ("weight_shape", "act_bits"):
+        experts = experts_of(zero_case(3))
+        if broken == "weight_shape":
+            experts[0].down_proj.weight_shape.data.copy_(torch.tensor([64, 31]))
+        else:
+            for layer in (experts[0].gate_proj, experts[0].up_proj, experts[0].down_proj):
+                layer.act_bits = 8
+        want = experts.per_expert(x, ids, weights)
+        calls.clear()
+        assert (tensor_to_bits(experts(x, ids, weights)) == tensor_to_bits(want)).all()
+        assert len(calls) == 2 and torch.count_nonzero(want) > 0, broken
 
 
 # --------------------------------------------------------------------------- routing
@@ -413,6 +523,41 @@ def test_no_grouped_kernel_here_warns_once_and_runs_the_loop(monkeypatch):
     moe._warn_fallback.cache_clear()
 
 
+def test_the_workspace_keeps_a_buffer_per_slot_and_grows_it():
+    """A slot's buffer serves every call that fits it (same memory), grows for one that does
+    not, and follows the device; each slot is its own."""
+    space = moe.Workspace()
+    a = space.get("y", (4, 8), torch.bfloat16, "cpu")
+    assert (a.shape, a.dtype, a.device.type) == ((4, 8), torch.bfloat16, "cpu")
+    assert space.get("y", (2, 16), torch.bfloat16, "cpu").data_ptr() == a.data_ptr()
+    assert space.get("y", (16,), torch.float32, "cpu").data_ptr() == a.data_ptr()  # 64 bytes
+    assert space.get("x", (4, 8), torch.bfloat16, "cpu").data_ptr() != a.data_ptr()
+    bigger = space.get("y", (5, 8), torch.bfloat16, "cpu")
+    assert bigger.shape == (5, 8) and space.buffers["y"].numel() == 80
+    meta = space.get("y", (5, 8), torch.bfloat16, "meta")
+    assert meta.device.type == "meta" and space.buffers["y"].device.type == "meta"
+    space.clear()
+    assert not space.buffers and not moe.Workspace().buffers
+
+
+def test_the_weighted_sum_and_routing_stay_on_the_device_of_the_rows():
+    """weighted_sum makes every tensor on the rows' device (meta here: nothing is computed,
+    nothing is read back)."""
+    routing = route(torch.tensor([[0, 1], [1, 2]], device="meta"), 3)
+    rows = torch.empty(4, 8, dtype=torch.bfloat16, device="meta")
+    out = moe.weighted_sum(rows, routing, torch.empty(2, 2, device="meta"), torch.float32)
+    assert (out.shape, out.dtype, out.device.type) == ((2, 8), torch.float32, "meta")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_activation_writes_into_the_buffer_it_is_given(dtype):
+    g = torch.Generator().manual_seed(7)
+    gate, up = (torch.randn(3, 64, generator=g).to(dtype) for _ in range(2))
+    out = torch.full((3, 64), float("nan"), dtype=dtype)
+    assert moe.activation(torch.nn.functional.silu, gate, up, out) is out
+    assert torch.equal(out, torch.nn.functional.silu(gate) * up)
+
+
 def test_a_forced_kernel_is_honoured_never_swapped(monkeypatch):
     """EXACTNESS_KERNEL naming a layer's kernel runs each expert's layers with it; naming a
     grouped kernel that cannot run here raises."""
@@ -427,6 +572,8 @@ def test_a_forced_kernel_is_honoured_never_swapped(monkeypatch):
     if "triton-grouped" not in available_paths():
         with pytest.raises(KernelUnavailableError, match="triton-grouped"):
             experts(x, ids, weights)
+    else:  # the interpreter's: the C kernel, the default, would fail if called
+        assert torch.equal(experts(x, ids, weights), want)
 
 
 def test_no_gradient_is_cut_silently():
@@ -541,10 +688,12 @@ def test_the_fp32_activation_is_silu_of_gate_times_up():
 
 
 @pytest.mark.parametrize("act_bits", [16, 32])
-def test_a_projection_without_a_kernel_plans_its_own(act_bits):
+@pytest.mark.parametrize("way", ["grouped", "no grouped kernel here", "experts of two widths"])
+def test_a_projection_without_a_kernel_plans_its_own(monkeypatch, act_bits, way):
     """moe.projection(kernel=None) takes the plan's grouped kernel, or each expert's layers
-    where none holds them (32 bits, or a CPU without VNNI), with the bits of each expert's own
-    layer either way."""
+    where no grouped kernel runs here or the experts differ in widths, with the bits of each
+    expert's own layer either way; a routing of padding alone gives no rows."""
+    skip_unless_here("vnni-grouped")
     torch.manual_seed(act_bits)
     layers = [[ExactLinear.from_weight(torch.randn(16, 64), act_bits=act_bits),
                ExactLinear.from_weight(torch.randn(16, 64), act_bits=act_bits)]
@@ -552,18 +701,38 @@ def test_a_projection_without_a_kernel_plans_its_own(act_bits):
     x = torch.randn(4, 64).bfloat16()
     ids = torch.tensor([[0, 2], [1, 3], [2, 1], [0, 1]])  # 3: no expert
     routing = route(ids, 3)
+    if way == "no grouped kernel here":
+        monkeypatch.setattr(native, "status", lambda: (None, no("the CPU lacks avx512_vnni")))
+    if way == "experts of two widths":
+        for layer in layers[2]:
+            layer.act_bits = 8
+    loops = []
+    real = moe._project_per_expert
+    monkeypatch.setattr(moe, "_project_per_expert", lambda *a: (loops.append(1), real(*a))[1])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", native.FallbackWarning)
         y = moe.projection(layers, x, routing, gather=True)
+    assert len(loops) == (way != "grouped")
+    in_order = x[routing.token[:int(routing.routed)]]  # without gather: x in routing order
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", native.FallbackWarning)
+        ungathered = moe.projection(layers, in_order, routing, gather=False)
+    assert (tensor_to_bits(ungathered[:len(in_order)]) == tensor_to_bits(y[:len(in_order)])).all()
     for row, pair in enumerate(routing.pair[:int(routing.routed)].tolist()):
         t, slot = divmod(pair, 2)
         parts = layers[int(ids[t, slot])]
         want = torch.cat([layer(x[t:t + 1]) for layer in parts], dim=1)
         assert (tensor_to_bits(y[row:row + 1]) == tensor_to_bits(want)).all(), (row, pair)
+    if way == "grouped":  # routed nowhere: no rows, in the layers' output dtype
+        for layer in (layer for parts in layers for layer in parts):
+            layer.out_dtype = torch.float32
+        nowhere = moe.projection(layers, x, route(torch.full((4, 2), 3), 3), gather=True)
+        assert nowhere.shape == (0, 32) and nowhere.dtype == torch.float32
 
 
+@pytest.mark.parametrize("far", [False, True], ids=["near", "far-below"])
 @pytest.mark.parametrize("norm", [True, False])
-def test_the_kimi_router_chooses_and_weighs_as_transformers_does(norm):
+def test_the_kimi_router_chooses_and_weighs_as_transformers_does(norm, far):
     """KimiRouter against transformers' own DeepseekV3TopkRouter (noaux_tc, one group), same
     weights and bias: the same experts for every token, and the same weights (fp32 sums in
     another order: within a few ulps; the router is not under the contract)."""
@@ -583,6 +752,11 @@ def test_the_kimi_router_chooses_and_weighs_as_transformers_does(norm):
         theirs.weight.copy_(ours.weight.float())
         theirs.e_score_correction_bias.copy_(ours.e_score_correction_bias)
     x = torch.randn(20, 64, generator=g).bfloat16()
+    if far:  # every logit near -64: scores of 1e-28, where the normaliser's 1e-20 matters
+        with torch.no_grad():
+            ours.weight.fill_(-1)
+            theirs.weight.fill_(-1)
+        x = torch.ones(20, 64).bfloat16()
     chosen, weights = ours(x)
     _, their_weights, their_chosen = theirs(x)
     order, their_order = chosen.argsort(dim=-1), their_chosen.argsort(dim=-1)
