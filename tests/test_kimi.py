@@ -800,8 +800,48 @@ def test_config_fields_are_refused_by_their_full_name(tmp_path, k25, key, value,
     ckpt = write_checkpoint(tmp_path / "ckpt", k25=k25)
     path = (("text_config." if k25 else "") + key).split(".")
     set_key(ckpt / "config.json", tuple(path), DELETE if value is None else value)
-    with pytest.raises(KimiCheckpointError, match=match):
+    with pytest.raises(KimiCheckpointError, match=match) as raised:
         KimiCheckpoint(ckpt)
+    assert str(raised.value).startswith(str(ckpt / "config.json"))
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda c: (c / "config.json").unlink(), r"config.json: missing"),
+    (lambda c: set_key(c / "config.json", "quantization_config.config_groups", {}),
+     r"config.json: quantization_config.config_groups: missing or empty"),
+    (lambda c: set_key(c / "config.json", GROUP, 5),
+     r"config.json: quantization_config.config_groups.group_0: expected a JSON object, got a "
+     r"number"),
+    (lambda c: set_key(c / "config.json", f"{GROUP}.format", "dense"),
+     r"group_0.format = 'dense', expected 'pack-quantized'"),
+    (lambda c: set_key(c / "config.json", f"{GROUP}.output_activations", {"num_bits": 8}),
+     r"group_0.output_activations: quantized activations are not supported"),
+    (lambda c: (c / "model.safetensors.index.json").write_text("[]"),
+     r"model.safetensors.index.json: expected a JSON object, got a list"),
+    (lambda c: set_key(c / "model.safetensors.index.json",
+                       ("weight_map", f"{NAME}.weight_packed"), ""),
+     rf"weight_map.{NAME}.weight_packed: expected a shard file name, got ''"),
+    (lambda c: (c / "model.safetensors.index.json").unlink(),
+     r"model.safetensors.index.json: missing \(and no single model.safetensors\)"),
+], ids=["no-config", "no-groups", "group-a-number", "group-format", "output-activations",
+        "index-a-list", "shard-name-empty", "no-index"])
+def test_config_and_index_errors_name_the_file_and_what_is_wrong(tmp_path, edit, match):
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    edit(ckpt)
+    with pytest.raises(KimiCheckpointError, match=match) as raised:
+        KimiCheckpoint(ckpt)
+    assert str(raised.value).startswith(str(ckpt))
+
+
+def test_a_group_takes_the_format_of_its_config_where_it_names_none(tmp_path):
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+    set_key(ckpt / "config.json", f"{GROUP}.format", DELETE)
+    assert KimiCheckpoint(ckpt).config.hidden_size == 64
+    set_key(ckpt / "config.json", "quantization_config.format", "dense")
+    with pytest.raises(KimiCheckpointError, match=r"group_0.format = 'dense'"):
+        KimiCheckpoint(ckpt)
+    one = KimiCheckpoint(single_file(tmp_path))
+    assert one.index_file == one.dir / "model.safetensors"
 
 
 def test_config_fields_just_inside_their_limits_are_taken(tmp_path):
@@ -820,3 +860,17 @@ def test_a_json_key_that_would_break_the_line_is_quoted():
 
     assert _key("group_0") == "group_0"
     assert _key("a\nb") == repr("a\nb")
+
+
+def test_an_unreadable_json_file_is_named(tmp_path, monkeypatch):
+    """A config.json that cannot be read (as root every file here reads: the read is made to
+    fail) is refused naming the file and the reason."""
+    ckpt = write_checkpoint(tmp_path / "ckpt")
+
+    def refuse(path):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(Path, "read_bytes", refuse)
+    with pytest.raises(KimiCheckpointError, match=r"config.json: unreadable \(\[Errno 13\] "
+                                                  r"Permission denied\)"):
+        KimiCheckpoint(ckpt)

@@ -257,7 +257,6 @@ def test_the_models_take_the_grouped_call_by_default(monkeypatch):
     assert torch.equal(other, block(x)) and len(calls) == 2
 
 
-
 @pytest.mark.parametrize("act_bits", [16, 32])
 def test_ordinary_calls_never_fall_back_to_the_loop(monkeypatch, act_bits):
     """The grouped call and the per-expert loop give the same bits, so only the path taken tells
