@@ -237,12 +237,17 @@ def test_kimi_moe_grouped_matches_its_per_expert_loop(backend):
     assert torch.count_nonzero(grouped) > 0
 
 
+def spy_grouped(monkeypatch) -> list:
+    """The C grouped kernel's calls, as they come: (x's shape, whether it got moe.WORKSPACE)."""
+    calls, real = [], native.GROUPED.run_grouped
+    monkeypatch.setattr(type(native.GROUPED), "run_grouped", lambda self, *a: (
+        calls.append((a[0].shape, a[7] is moe.WORKSPACE)), real(*a))[1])
+    return calls
+
+
 def test_the_models_take_the_grouped_call_by_default(monkeypatch):
     """KimiMoE and ExactExperts run their experts through one grouped call per projection."""
-    calls = []
-    real = native.GROUPED.run_grouped
-    monkeypatch.setattr(type(native.GROUPED), "run_grouped",
-                        lambda self, *a, **kw: (calls.append(a[0].shape), real(*a, **kw))[1])
+    calls = spy_grouped(monkeypatch)
     skip_unless_here("vnni-grouped")
     block = kimi_moe()
     x = torch.randn(5, 64, generator=torch.Generator().manual_seed(0)).bfloat16()
@@ -265,10 +270,7 @@ def test_ordinary_calls_never_fall_back_to_the_loop(monkeypatch, act_bits):
     them apart: every ordinary call takes exactly two grouped calls and never the loop. Padding
     slots, a token routed nowhere, slow rows, int32 ids, an fp32 x, a gradient, one token."""
     skip_unless_here("vnni-grouped")
-    calls = []
-    real = native.GROUPED.run_grouped
-    monkeypatch.setattr(type(native.GROUPED), "run_grouped", lambda self, *a: (
-        calls.append((a[0].shape, a[7] is moe.WORKSPACE)), real(*a))[1])
+    calls = spy_grouped(monkeypatch)
 
     def loop(*args):
         raise AssertionError("the per-expert loop ran")
@@ -340,10 +342,7 @@ def test_an_expert_no_token_routes_to_is_never_read(monkeypatch):
     no token routes to expert 0, which has a broken weight_shape, then another act_bits. The
     grouped call still runs, twice, with the loop's bits."""
     skip_unless_here("vnni-grouped")
-    calls = []
-    real = native.GROUPED.run_grouped
-    monkeypatch.setattr(type(native.GROUPED), "run_grouped",
-                        lambda self, *a: (calls.append(1), real(*a))[1])
+    calls = spy_grouped(monkeypatch)
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(5)).bfloat16()
     ids, weights = torch.tensor([[1, 2], [2, 3], [1, 3]]), torch.rand(3, 2)
     for broken in ("weight_shape", "act_bits"):
