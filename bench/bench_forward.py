@@ -25,13 +25,13 @@ from exactness.suite.precision import dequantized
 SHAPES = {"gate/up 7168->2048": (7168, 2048), "down 2048->7168": (2048, 7168)}
 
 
-def kimi_layer(k: int, n: int, act_bits: int, seed: int = 0,
-               binades: int = 2) -> PackedInt4Linear:
+def kimi_layer(k: int, n: int, act_bits: int, seed: int = 0, binades: int = 2,
+               kernel: str | None = None) -> PackedInt4Linear:
     rng = np.random.default_rng(seed)
     q = rng.integers(-8, 8, (n, k))
     # QAT-like: 2**-7 .. 2**-5 for the default two binades (each binade is 128 bf16 patterns)
     scales = 0x3C00 + rng.integers(0, 128 * binades, (n, k // 32))
-    layer = PackedInt4Linear(k, n, act_bits, backend="cpu")
+    layer = PackedInt4Linear(k, n, act_bits, backend="cpu", kernel=kernel)
     layer.load_state_dict({"weight_packed": torch.from_numpy(pack_weights(q, 4)),
                            "weight_scale": bits_to_tensor(scales, "bfloat16"),
                            "weight_shape": torch.tensor([n, k])})
@@ -92,9 +92,42 @@ def main() -> int:
     lines += ["", "| shape | act_bits | packed+scales MiB | derived MiB | layer / packed | "
               "bf16 weight MiB |", "| --- | --- | --- | --- | --- | --- |", *memory]
     print("\n".join(lines[-len(memory) - 3:]))
+    amx_lines = amx_table(args)
+    lines += ["", *amx_lines]
+    print("\n".join(amx_lines), flush=True)
     Path(args.out).parent.mkdir(exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     return 0
+
+
+def amx_table(args) -> list[str]:
+    """The AMX kernel beside the VNNI kernel the plan took before it (vnni-spans for 16-bit
+    activations from SPAN_MIN_ROWS rows on, else vnni-limbs) and bf16, on a machine with AMX;
+    elsewhere one line saying why there are no rows."""
+    from exactness.kernels import amx, native
+
+    lib, why = amx.status()
+    if lib is None or amx.mode() != "1":
+        return [f"AMX: no rows here ({why.why}). make verify checks the emulated kernel's bits."]
+    lines = ["| shape | act_bits | M | amx ms | vnni ms | bf16 ms | amx/bf16 | vnni/bf16 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    print("\n".join(lines), flush=True)
+    for name, (k, n) in SHAPES.items():
+        for act_bits in args.act_bits:
+            tiles = kimi_layer(k, n, act_bits, binades=args.binades, kernel="amx")
+            w = dequantized_bf16(tiles)
+            for m in args.m:
+                spans = act_bits == 16 and m >= native.SPAN_MIN_ROWS
+                vnni = kimi_layer(k, n, act_bits, binades=args.binades,
+                                  kernel="vnni-spans" if spans else "vnni-limbs")
+                x = torch.randn(m, k).bfloat16()
+                t_amx, t_vnni, t_bf16 = side_by_side(
+                    [lambda: tiles(x), lambda: vnni(x), lambda: x @ w.t()], args.repeats)
+                lines.append(f"| {name} | {act_bits} | {m} | {t_amx * 1e3:.2f} | "
+                             f"{t_vnni * 1e3:.2f} | {t_bf16 * 1e3:.2f} | {t_amx / t_bf16:.2f} | "
+                             f"{t_vnni / t_bf16:.2f} |")
+                print(lines[-1], flush=True)
+    return lines
 
 
 if __name__ == "__main__":

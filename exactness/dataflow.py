@@ -126,6 +126,13 @@ def activation_limbs(qa, act_bits: int):
 GROUP_ACT_LIMBS = 4
 GEMM_ACT_LIMBS = 2
 
+# The AMX kernel (cpu_amx.c): each tdpbusd sums AMX_TILE_K biased u8 x int8 products per int32
+# element of a tile zeroed before it, in steps of 4 (one dword pair), since every group has a
+# scale of its own; its dot is then vpdpbusd's, combined as the VNNI kernel combines (proved:
+# amx-tile-dot, vnni-recombine, vnni-four-limbs). Tiles of AMX_TILE_ROWS activation rows.
+AMX_TILE_K = GROUP_SIZE
+AMX_TILE_ROWS = 16
+
 
 def wide_groups_per_sum(w_bits: int, act_bits: int) -> int:
     """How many groups' P * ms the wide kernel sums in int64 before taking Python integers:

@@ -169,6 +169,28 @@ def vnni_dot(w_bits: int, dot_bits: int) -> Obligation:
         w_bits=w_bits)
 
 
+def amx_tile_dot(w_bits: int, dot_bits: int) -> Obligation:
+    """cpu_amx.c: tdpbusd adds, per int32 element of a tile zeroed per group, AMX_TILE_K / 4
+    dword pairs, each the sum of 4 products (limb + 128) * q, in one step as Intel defines it."""
+
+    def four_products():
+        terms, names = [], {}
+        ok = []
+        for j in range(4):
+            a, a_ok = signed_var(f"a{j}", 0, 255)
+            w, w_ok = signed_var(f"w{j}", -(2 ** (w_bits - 1)), 2 ** (w_bits - 1) - 1)
+            terms.append(product(a, w))
+            ok += [a_ok, w_ok]
+            names.update({f"a{j}": a, f"w{j}": w})
+        return sum(terms[1:], terms[0]), z3.And(*ok), z3.BoolVal(True), names
+
+    return accumulate_step(
+        f"amx-tile-dot-w{w_bits}",
+        f"tdpbusd: {dataflow.AMX_TILE_K // 4} steps of 4 biased u8 x int{w_bits} products in "
+        f"int{dot_bits}", dot_bits, dataflow.AMX_TILE_K // 4, 4 * 255 * 2 ** (w_bits - 1),
+        four_products, w_bits=w_bits)
+
+
 def scale_factor(w_bits: int, a_bits: int, k: int, spread: int) -> Obligation:
     """f = ms << shift is held in dataflow.FACTOR_BITS: the certificate's factors, the GPU group
     kernel's int32 x int32 -> int64 products, fold_kernel's q * f, cpu_vnni.c's vpmuldq."""
@@ -646,7 +668,8 @@ def for_config(w_bits: int, a_bits: int, k: int, acc_bits: int | None = None,
         obligations += [cpu_float64_gemm(w_bits, a_bits, k, spread),
                         cpu_float64_recombine(w_bits, a_bits, k, spread)]
     limbs = dataflow.act_limbs(a_bits)
-    obligations += [group_dot(w_bits, a_bits, dot), vnni_dot(w_bits, dot)]
+    obligations += [group_dot(w_bits, a_bits, dot), vnni_dot(w_bits, dot),
+                    amx_tile_dot(w_bits, dot)]
     if limbs > 1:  # four limbs: each half recombines as two limbs do
         obligations.append(group_recombine(w_bits, a_bits, dot))
     if limbs == 4:

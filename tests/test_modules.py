@@ -85,6 +85,8 @@ def test_vectors_through_the_layer(path):
 # what each kernel is checked on: wide is Python integers, the Triton kernels are interpreted;
 # each at the activation widths it holds (held_act_bits)
 EQUIVALENCE_CASES = {
+    # two tiles of 16 rows and a tail; groups in pairs and an odd one over
+    "amx": linear_cases(max_k=256, max_n=40, max_rows=40, act_bits_=held_act_bits("amx")),
     "vnni-spans": linear_cases(max_k=256, max_n=40, max_rows=20, w_bits=4, act_bits_=16),
     "triton-group": linear_cases(max_k=128, max_n=40, max_rows=20,
                                  act_bits_=held_act_bits("triton-group")),

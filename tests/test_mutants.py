@@ -5,13 +5,15 @@ import os
 
 import pytest
 
-from exactness.kernels import native
+from exactness.kernels import amx, native
 from exactness.suite.mutants import (
+    AMX_KERNEL,
     C_KERNEL,
     CATALOGUE,
     Mutant,
     applied,
     judge,
+    mutated_amx_kernel,
     mutated_c_kernel,
     run_tests,
     runs_here,
@@ -23,8 +25,8 @@ pytestmark = pytest.mark.stage("mutants")  # make verify's stage
 
 @pytest.mark.parametrize("mutant", CATALOGUE, ids=lambda m: m.name)
 def test_mutant_is_killed(mutant: Mutant):
-    if not runs_here(mutant):
-        require("vnni-limbs")  # a skip where there is no C kernel to plant it in, else a failure
+    if not runs_here(mutant):  # a skip where there is no C kernel to plant it in, else a failure
+        require("amx" if mutant.target == AMX_KERNEL else "vnni-limbs")
     # make verify asks only for the first killer (EXACTNESS_FIRST_KILLER=1); make test for all
     every = mutant.every_killer and os.environ.get("EXACTNESS_FIRST_KILLER") != "1"
     verdict = judge(mutant, mutant.killers if every else mutant.killers[:1], every)
@@ -39,6 +41,16 @@ def test_the_start_up_self_check_refuses_the_c_mutant(mutant: Mutant):
     if not runs_here(mutant):
         require("vnni-limbs")
     assert not native._self_check(mutated_c_kernel(mutant))
+
+
+@pytest.mark.parametrize("mutant", [m for m in CATALOGUE if m.target == AMX_KERNEL],
+                         ids=lambda m: m.name)
+def test_the_start_up_self_check_refuses_the_amx_mutant(mutant: Mutant):
+    """Had the AMX kernel carried the bug, the layer would not have used it: the real tiles
+    too, where they differ from the emulated ones only in the six tile instructions."""
+    if not runs_here(mutant):
+        require("amx")
+    assert not amx.self_check(mutated_amx_kernel(mutant))
 
 
 def test_every_killer_is_a_test_pytest_collects():

@@ -101,6 +101,16 @@ def test_an_unshifted_chain_past_its_bound_is_refuted(monkeypatch):
     assert prove(ob.span_unshifted(16, dataflow.DOT_ACC_BITS)).verdict == "refuted"
 
 
+def test_an_amx_tile_summing_past_int32_is_refuted(monkeypatch):
+    """A tile zeroed per group sums 32 products an element; one that summed 4 * 16449 (biased
+    u8 x int8, 4 * 255 * 128 a step) would pass 2**31 - 1, and the proof says so."""
+    assert prove(ob.amx_tile_dot(8, dataflow.DOT_ACC_BITS)).verdict == "proved"
+    monkeypatch.setattr(dataflow, "AMX_TILE_K", 4 * 16448)
+    assert prove(ob.amx_tile_dot(8, dataflow.DOT_ACC_BITS)).verdict == "proved"
+    monkeypatch.setattr(dataflow, "AMX_TILE_K", 4 * 16449)
+    assert prove(ob.amx_tile_dot(8, dataflow.DOT_ACC_BITS)).verdict == "refuted"
+
+
 def test_rounding_proof_refutes_a_planted_rounding_bug():
     sticky = next(m for m in CATALOGUE if m.name == "sticky-bit-ignored")
     with applied(sticky):

@@ -102,7 +102,8 @@ def test_the_suite_emulates_the_c_kernel_where_the_cpu_lacks_it(monkeypatch):
     assert "emulated" in paths.emulate_the_c_kernel_where_missing()
     assert os.environ["EXACTNESS_NATIVE"] == "emulate"
     monkeypatch.setenv("EXACTNESS_NATIVE", "0")
-    assert paths.emulate_the_c_kernel_where_missing() == "the C kernel: off"
+    assert paths.emulate_the_c_kernel_where_missing() == ("the C kernel: off (the AMX kernel "
+                                                          "with it)")
     monkeypatch.setattr(native, "_missing_features", lambda: [])
     monkeypatch.delenv("EXACTNESS_NATIVE")
     assert "instructions" in paths.emulate_the_c_kernel_where_missing()

@@ -6,10 +6,11 @@ Each computes T[r, n] = sum_k qa[r, k] * q[n, k] * ms[n, g] << shift[n, g] exact
 one final rounding (docs/SPEC.md section 5).
 """
 
-from . import cpu, native, triton_exact, triton_grouped, wide
+from . import amx, cpu, native, triton_exact, triton_grouped, wide
 from .registry import Fit, Kernel, KernelUnavailableError, Plan, Weights, plan, plan_grouped
 
 REGISTRY: tuple[Kernel, ...] = (
+    amx.AMX,  # C, AMX-INT8 tiles (Intel Xeon): the limb kernel's dots on tiles, from 16 rows on
     native.SPANS,  # C, AVX-512 VNNI: 16-bit activations as int16 words, from 24 rows on
     native.LIMBS,  # C, AVX-512 VNNI: activations as int8 limbs
     native.GROUPED,  # C, AVX-512 VNNI: an MoE layer's routed experts in one call

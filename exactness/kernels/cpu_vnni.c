@@ -167,29 +167,58 @@ ALWAYS_INLINE __m512i four_limb_term(__m512i p_hi, __m512i p_lo, __m512i c) {
                             _mm512_mul_epi32(p_lo, c));
 }
 
+// The limb whose sum carries the bias correction: the low one, or the high pair's low one.
+ALWAYS_INLINE int corrected_limb(int limbs) { return limbs == 4 ? 2 : 0; }
+
+// What the corrected limb's sum starts at, per lane: -(sum_k q << 7) for one limb, << 15 else.
+ALWAYS_INLINE __m512i correction(__m512i wsum_g, int limbs) {
+    return _mm512_sub_epi32(_mm512_setzero_si512(),
+                            _mm512_slli_epi32(wsum_g, limbs == 1 ? 7 : 15));
+}
+
+// A byte vector of 4-bit pairs (nibble layout) as its two steps' weight bytes, q in [-8, 7].
+ALWAYS_INLINE void unpack_pair(__m512i pair, __m512i *low, __m512i *high) {
+    const __m512i low4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
+    *low = _mm512_sub_epi8(_mm512_and_si512(pair, low4), eight);
+    *high = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(pair, 4), low4), eight);
+}
+
+// One row's group: P from its limbs' dots d[l] (the corrected limb's started at the correction),
+// times the group's factors c, added to the row's T (rows 0..7 of the block in even, 8..15 in
+// odd). Both kernels' combine (exact_linear_vnni's tile, cpu_amx.c's tiles).
+ALWAYS_INLINE void add_group(const __m512i *d, int limbs, __m512i c_even, __m512i c_odd,
+                             __m512i *even, __m512i *odd) {
+    if (limbs == 4) {
+        const __m512i p_hi = _mm512_add_epi32(_mm512_slli_epi32(d[3], 8), d[2]);
+        const __m512i p_lo = _mm512_add_epi32(_mm512_slli_epi32(d[1], 8), d[0]);
+        *even = _mm512_add_epi64(*even, four_limb_term(p_hi, p_lo, c_even));
+        *odd = _mm512_add_epi64(*odd, four_limb_term(_mm512_srli_epi64(p_hi, 32),
+                                                     _mm512_srli_epi64(p_lo, 32), c_odd));
+        return;
+    }
+    __m512i p = d[0];
+    if (limbs == 2) p = _mm512_add_epi32(_mm512_slli_epi32(d[1], 8), p);
+    *even = _mm512_add_epi64(*even, _mm512_mul_epi32(p, c_even));
+    *odd = _mm512_add_epi64(*odd, _mm512_mul_epi32(_mm512_srli_epi64(p, 32), c_odd));
+}
+
 // T for `rows` activation rows (a compile-time constant at every call; row i's limb l at
 // a[i] + l * plane) against weight block wb, whose first column is n0.
 ALWAYS_INLINE void tile(const uint8_t *const *a, int64_t plane, const uint8_t *wb,
                         const int32_t *wsum, const int32_t *c, Out o, int64_t n0, int64_t K,
                         int64_t Np, const int rows, const int limbs, const int nibbles) {
-    const __m512i low4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
     __m512i acc_even[TILE_ROWS], acc_odd[TILE_ROWS];
     FOR_ROWS(i) acc_even[i] = acc_odd[i] = _mm512_setzero_si512();
-    // the limb whose sum carries the bias correction: the low one, or the high pair's low one
-    const int corrected = limbs == 4 ? 2 : 0;
+    const int corrected = corrected_limb(limbs);
     for (int64_t g = 0; g < K / 32; g++) {
-        __m512i d[4][TILE_ROWS];
+        __m512i d[TILE_ROWS][4];
         // the correction starts that limb's sum, so it costs a register move, not an add
-        const __m512i wsum_g = _mm512_loadu_si512(wsum + g * Np);
-        const __m512i start = _mm512_sub_epi32(_mm512_setzero_si512(),
-                                               _mm512_slli_epi32(wsum_g, limbs == 1 ? 7 : 15));
-        FOR_ROWS(i) FOR_LIMBS(l) d[l][i] = l == corrected ? start : _mm512_setzero_si512();
+        const __m512i start = correction(_mm512_loadu_si512(wsum + g * Np), limbs);
+        FOR_ROWS(i) FOR_LIMBS(l) d[i][l] = l == corrected ? start : _mm512_setzero_si512();
         for (int j = 0; j < 8; j += 2) {
             __m512i wv[2];
             if (nibbles) {
-                const __m512i pair = _mm512_loadu_si512(wb + (g * 4 + j / 2) * 64);
-                wv[0] = _mm512_sub_epi8(_mm512_and_si512(pair, low4), eight);
-                wv[1] = _mm512_sub_epi8(_mm512_and_si512(_mm512_srli_epi16(pair, 4), low4), eight);
+                unpack_pair(_mm512_loadu_si512(wb + (g * 4 + j / 2) * 64), &wv[0], &wv[1]);
             } else {
                 wv[0] = _mm512_loadu_si512(wb + (g * 8 + j) * 64);
                 wv[1] = _mm512_loadu_si512(wb + (g * 8 + j + 1) * 64);
@@ -197,7 +226,7 @@ ALWAYS_INLINE void tile(const uint8_t *const *a, int64_t plane, const uint8_t *w
             for (int h = 0; h < 2; h++) {
                 const int64_t k = g * 32 + (j + h) * 4;
                 FOR_ROWS(i) FOR_LIMBS(l) {
-                    d[l][i] = _mm512_dpbusd_epi32(d[l][i], broadcast4(a[i] + l * plane + k),
+                    d[i][l] = _mm512_dpbusd_epi32(d[i][l], broadcast4(a[i] + l * plane + k),
                                                   wv[h]);
                 }
             }
@@ -205,22 +234,7 @@ ALWAYS_INLINE void tile(const uint8_t *const *a, int64_t plane, const uint8_t *w
         const __m256i *cg = (const __m256i *)(c + g * Np);
         const __m512i c_even = _mm512_cvtepi32_epi64(_mm256_loadu_si256(cg));
         const __m512i c_odd = _mm512_cvtepi32_epi64(_mm256_loadu_si256(cg + 1));
-        FOR_ROWS(i) {
-            if (limbs == 4) {
-                const __m512i p_hi = _mm512_add_epi32(_mm512_slli_epi32(d[3][i], 8), d[2][i]);
-                const __m512i p_lo = _mm512_add_epi32(_mm512_slli_epi32(d[1][i], 8), d[0][i]);
-                acc_even[i] = _mm512_add_epi64(acc_even[i], four_limb_term(p_hi, p_lo, c_even));
-                acc_odd[i] = _mm512_add_epi64(
-                    acc_odd[i], four_limb_term(_mm512_srli_epi64(p_hi, 32),
-                                               _mm512_srli_epi64(p_lo, 32), c_odd));
-                continue;
-            }
-            __m512i p = d[0][i];
-            if (limbs == 2) p = _mm512_add_epi32(_mm512_slli_epi32(d[1][i], 8), p);
-            acc_even[i] = _mm512_add_epi64(acc_even[i], _mm512_mul_epi32(p, c_even));
-            acc_odd[i] = _mm512_add_epi64(acc_odd[i],
-                                          _mm512_mul_epi32(_mm512_srli_epi64(p, 32), c_odd));
-        }
+        FOR_ROWS(i) add_group(d[i], limbs, c_even, c_odd, &acc_even[i], &acc_odd[i]);
     }
     FOR_ROWS(i) finish(o, i, n0, Np, acc_even[i], acc_odd[i]);
 }

@@ -123,9 +123,9 @@ def load(source: str, check: bool = True):
     return lib if lib is not None and (not check or _self_check(lib)) else None
 
 
-def build(source: str) -> tuple[ctypes.CDLL | None, Fit]:
-    """`source` compiled with the system compiler (cached by its hash) and loaded, or None and
-    why not. Never raises: every refusal says why in the Fit.
+def build(source: str, extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, Fit]:
+    """`source` compiled with the system compiler (cached by its hash), with `extra_flags` too
+    (amx.py's), and loaded, or None and why not. Never raises: every refusal says why in the Fit.
 
     The cache promises: a directory of this user alone (cache_dir), temporary files of
     unpredictable names, one compile at a time (_locked), and a library loaded only when its
@@ -134,6 +134,7 @@ def build(source: str) -> tuple[ctypes.CDLL | None, Fit]:
     source, flags, why = as_compiled(source)
     if source is None:
         return None, why
+    flags = [*flags, *extra_flags]
     key = cache_key(source, flags)
     cache, why = cache_dir()
     if cache is None:
@@ -441,9 +442,11 @@ def quantize(x: torch.Tensor, act_bits: int, lib=None, words: bool = False):
 
 
 def accumulate(a: torch.Tensor, act_bits: int, weights: NativeWeights, lib=None,
-               rounding: tuple | None = None, spans: bool = False) -> torch.Tensor:
+               rounding: tuple | None = None, spans: bool = False,
+               amx: bool = False) -> torch.Tensor:
     """T [M, Np] int64 (padded columns are 0) from the biased limbs a [L, M, K] (or, with
-    `spans`, from quantize's words [M, K] through exact_linear_spans); or, with `rounding` =
+    `spans`, from quantize's words [M, K] through exact_linear_spans; with `amx`, from the limbs
+    through exact_linear_amx, where `lib` is amx.py's library); or, with `rounding` =
     (e_r, emin, out_format), y [M, N] in out_format: T rounded in the kernel's registers, the
     same rounding as round_rows."""
     lib = lib or library()
@@ -469,9 +472,11 @@ def accumulate(a: torch.Tensor, act_bits: int, weights: NativeWeights, lib=None,
                                ends.data_ptr(), unshifted.data_ptr(), t_ptr, m, weights.k,
                                weights.np, *out)
     else:
-        lib.exact_linear_vnni(a.data_ptr(), weights.w.data_ptr(), weights.wsum.data_ptr(),
-                              weights.c.data_ptr(), t_ptr, m, weights.k, weights.np,
-                              dataflow.act_limbs(act_bits), int(weights.nibbles), *out)
+        kernel = lib.exact_linear_amx if amx else lib.exact_linear_vnni
+        if kernel(a.data_ptr(), weights.w.data_ptr(), weights.wsum.data_ptr(),
+                  weights.c.data_ptr(), t_ptr, m, weights.k, weights.np,
+                  dataflow.act_limbs(act_bits), int(weights.nibbles), *out):
+            raise MemoryError(f"no memory for the AMX kernel's unpacked weights (K = {weights.k})")
     return y if rounding else t
 
 

@@ -83,11 +83,24 @@ def mutated_c_kernel(mutant: Mutant):
     return lib
 
 
+def mutated_amx_kernel(mutant: Mutant):
+    """The AMX kernel built with the mutated cpu_amx.c, its self-check skipped (as above)."""
+    from ..kernels import amx
+
+    lib, why = amx.build(_planted(amx.SOURCE.read_text(), mutant))
+    if lib is None:
+        raise RuntimeError(f"mutant {mutant.name}: the mutated AMX kernel does not build: "
+                           f"{why.why}")
+    return lib
+
+
 def runs_here(mutant: Mutant) -> bool:
     """C mutants, and those of the code only the C kernel runs, need the C kernel (AVX-512 VNNI
-    and a compiler)."""
-    from ..kernels import native
+    and a compiler); the AMX kernel's, the AMX kernel (real or emulated tiles)."""
+    from ..kernels import amx, native
 
+    if mutant.target == AMX_KERNEL:
+        return amx.library() is not None
     needs_c = mutant.target == C_KERNEL or mutant.target.startswith("exactness.kernels.native:")
     return not needs_c or native.library() is not None
 
@@ -103,6 +116,17 @@ def applied(mutant: Mutant) -> Iterator[None]:
     from ..kernels import native
 
     native.library()  # load and self-check the C kernel with the real code, as at start-up
+    if mutant.target == AMX_KERNEL:
+        from ..kernels import amx
+
+        amx.library()
+        lib, original_library = mutated_amx_kernel(mutant), amx.library
+        amx.library = lambda: lib
+        try:
+            yield
+        finally:
+            amx.library = original_library
+        return
     if mutant.target == C_KERNEL:
         lib, original_library = mutated_c_kernel(mutant), native.library
         native.library = lambda: lib
@@ -349,6 +373,8 @@ FOLDED_VECTORS = vectors("triton-folded")
 SPANS, SPANS_VECTORS = equivalence("vnni-spans"), vectors("vnni-spans")
 KERNEL = "exactness.kernels.triton_exact:exact_group_kernel"
 C_KERNEL = "exactness/kernels/cpu_vnni.c"
+AMX_KERNEL = "exactness/kernels/cpu_amx.c"
+AMX, AMX_VECTORS = equivalence("amx"), vectors("amx")
 BATCH = "tests/test_modules.py::test_batch_and_permutation_invariance"
 NON_FINITE = "tests/test_errors.py::test_layer_non_finite_x_counts[triton-group]"
 QUANTIZE_SLICES = "tests/test_modules.py::test_the_quantize_kernel_at_any_slicing_and_tile"
@@ -629,8 +655,8 @@ CATALOGUE = (
            (CPU, CPU_VECTORS)),
     # the C kernel at 32-bit activations: four limbs, P in two int32 halves, an int64 term
     Mutant("vnni-32-lowest-limb-dropped", C_KERNEL,
-           "p_lo = _mm512_add_epi32(_mm512_slli_epi32(d[1][i], 8), d[0][i]);",
-           "p_lo = _mm512_slli_epi32(d[1][i], 8);",
+           "p_lo = _mm512_add_epi32(_mm512_slli_epi32(d[1], 8), d[0]);",
+           "p_lo = _mm512_slli_epi32(d[1], 8);",
            "the lowest of four activation limbs never added (a limb dropped)",
            (CPU_VECTORS, CPU, ACT32_KERNELS + "[vnni-limbs]")),
     Mutant("vnni-32-high-half-place-off", C_KERNEL,
@@ -692,6 +718,19 @@ CATALOGUE = (
            "                d0[i] = _mm512_setzero_si512();",
            "one of a row's two partial sums carried into the next span",
            (SPANS, SPANS_VECTORS)),
+    # --- the AMX kernel (cpu_amx.c): its tiles emulated where the CPU has none
+    Mutant("amx-tile-stride-wrong", AMX_KERNEL, "_tile_loadd(A, a + (L) * plane + (g) * 32, K);",
+           "_tile_loadd(A, a + (L) * plane + (g) * 32, 32);",
+           "the activation tile loaded with a stride of one group, not of a row: every row after "
+           "the first reads its neighbour's bytes", (AMX, AMX_VECTORS)),
+    Mutant("amx-limb-to-wrong-row", AMX_KERNEL,
+           "_mm512_loadu_si512(dots[l][m])", "_mm512_loadu_si512(dots[l][l && m ? m - 1 : m])",
+           "a high limb's dot added to the next row's T (a tile row index off by one)",
+           (AMX, AMX_VECTORS)),
+    Mutant("amx-k-tail-dropped", AMX_KERNEL, "for (; g < groups; g++) {",
+           "for (; g < groups && limbs == 4; g++) {",
+           "with groups taken two at a time, an odd count's last group never computed",
+           (AMX, AMX_VECTORS)),
     # --- inputs the suite did not generate (issue 23)
     Mutant("int-mm-exactness-trusted", "exactness.kernels.cpu:_GemmKernel.available",
            "if self.int8 and not int_mm_exact():", "if False:",

@@ -56,7 +56,18 @@ def unavailable(path: str) -> tuple[str, bool] | None:
     if kernel is None or device is None:
         return f"{path} does not run here: Triton needs a GPU or TRITON_INTERPRET=1", False
     why = kernel.available(torch.device(device)).why
-    return f"{path} does not run here: {why}", kernel.layout == "vnni" and native_expected()
+    return f"{path} does not run here: {why}", expected_here(kernel.name)
+
+
+def expected_here(kernel: str) -> bool:
+    """Whether the C kernel `kernel` must run here (native_expected; the AMX kernel where the
+    CPU has AMX-INT8 too, or its tiles are emulated)."""
+    from ..kernels import amx
+
+    if kernel == amx.AMX.name:
+        return native_expected() and amx.mode() != "0" and (amx.mode() == "emulate"
+                                                            or not amx.missing_features())
+    return by_name(REGISTRY, kernel).layout == "vnni" and native_expected()
 
 
 def native_expected() -> bool:
@@ -73,18 +84,29 @@ def native_expected() -> bool:
 
 
 def emulate_the_c_kernel_where_missing() -> str:
-    """The suite checks the C kernel on every CPU: where AVX-512 VNNI is missing, emulated
-    (EXACTNESS_NATIVE=emulate, unless EXACTNESS_NATIVE is set). Says which build it checks."""
-    from ..kernels import native
+    """The suite checks the C kernels on every CPU: where AVX-512 VNNI is missing, emulated
+    (EXACTNESS_NATIVE=emulate, unless EXACTNESS_NATIVE is set), and the AMX kernel's tiles where
+    AMX-INT8 is (EXACTNESS_AMX=emulate, likewise). Says which builds it checks."""
+    from ..kernels import amx, native
 
     missing = native._missing_features()
     if missing and "EXACTNESS_NATIVE" not in os.environ:
         os.environ["EXACTNESS_NATIVE"] = "emulate"
     mode = native.mode()
+    if mode == "0":
+        return "the C kernel: off (the AMX kernel with it)"
     if mode == "emulate":
         why = f": the CPU lacks {', '.join(missing)}" if missing else ""
-        return f"the C kernel emulated (EXACTNESS_NATIVE=emulate{why})"
-    return f"the C kernel: {native.MODES[mode]}"
+        c_kernel = f"the C kernel emulated (EXACTNESS_NATIVE=emulate{why})"
+    else:
+        c_kernel = f"the C kernel: {native.MODES[mode]}"
+    missing = amx.missing_features()
+    if missing and "EXACTNESS_AMX" not in os.environ:
+        os.environ["EXACTNESS_AMX"] = "emulate"
+    if amx.mode() == "emulate":
+        why = f": the CPU lacks {', '.join(missing)}" if missing else ""
+        return f"{c_kernel}; the AMX kernel's tiles emulated (EXACTNESS_AMX=emulate{why})"
+    return f"{c_kernel}; the AMX kernel: {amx.MODES[amx.mode()]}"
 
 
 def refused_here() -> list[str]:
