@@ -116,24 +116,18 @@ def applied(mutant: Mutant) -> Iterator[None]:
     from ..kernels import native
 
     native.library()  # load and self-check the C kernel with the real code, as at start-up
-    if mutant.target == AMX_KERNEL:
+    if mutant.target in (C_KERNEL, AMX_KERNEL):
         from ..kernels import amx
 
-        amx.library()
-        lib, original_library = mutated_amx_kernel(mutant), amx.library
-        amx.library = lambda: lib
+        module, build = ((amx, mutated_amx_kernel) if mutant.target == AMX_KERNEL
+                         else (native, mutated_c_kernel))
+        module.library()  # the real one first, as above
+        lib, original_library = build(mutant), module.library
+        module.library = lambda: lib
         try:
             yield
         finally:
-            amx.library = original_library
-        return
-    if mutant.target == C_KERNEL:
-        lib, original_library = mutated_c_kernel(mutant), native.library
-        native.library = lambda: lib
-        try:
-            yield
-        finally:
-            native.library = original_library
+            module.library = original_library
         return
     original, mutated = mutated_function(mutant)
     owner, name, _ = _resolve(mutant.target)
