@@ -129,6 +129,20 @@ def test_an_amx_machine_that_refuses_the_kernel_says_why_once(monkeypatch, fresh
         assert not amx.AMX.available(torch.device("cpu"))
 
 
+def test_the_c_tiles_are_the_shapes_dataflow_proves():
+    """cpu_amx.c's tile of activation rows and its K per tdpbusd are dataflow's, whose
+    amx-tile-dot obligation bounds them."""
+    import re
+
+    from exactness import dataflow
+
+    source = amx.SOURCE.read_text()
+    assert int(re.search(r"#define AMX_ROWS (\d+)", source)[1]) == dataflow.AMX_TILE_ROWS
+    assert int(re.search(r"cfg\.colsb\[4\] = cfg\.colsb\[7\] = (\d+);", source)[1]) == \
+        dataflow.AMX_TILE_K
+    assert amx.MIN_ROWS == dataflow.AMX_TILE_ROWS
+
+
 def test_the_real_tiles_compile_here():
     """The real build differs from the emulated one in the six tile instructions only; where it
     cannot run, it still compiles (the instructions' spelling is checked, not their bits)."""

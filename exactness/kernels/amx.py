@@ -32,9 +32,9 @@ EMULATION = Path(__file__).with_name("amx_emulated.h")
 FLAGS = ("-mamx-tile", "-mamx-int8")
 MODES = {"1": "the AMX instructions", "0": "off", "emulate": "emulated AMX tiles"}
 NEEDS = ("amx_tile", "amx_int8")
-# a tile holds 16 activation rows; below that the VNNI kernel wastes nothing on empty tile rows
+# a tile's activation rows; below that the VNNI kernel wastes nothing on empty tile rows
 # (a roofline estimate: no AMX machine has measured it yet, docs/PERFORMANCE.md)
-MIN_ROWS = 16
+MIN_ROWS = dataflow.AMX_TILE_ROWS
 
 
 def mode() -> str:
