@@ -315,9 +315,11 @@ class _PackedExactLinear(nn.Module):
         return "cpu"
 
     def plan(self, x: torch.Tensor) -> Plan:
-        """The kernel a forward of x takes, and why (print it to read the reasons)."""
-        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 0
-        return self._plan(self._family(x), x.device, rows, self._derive())
+        """The kernel a forward of x takes, and why (print it to read the reasons); an x the
+        forward refuses gets its typed error here too."""
+        derived = self._derive()
+        x2, _ = self._checked(x, derived.weights.packed.device)
+        return self._plan(self._family(x2), x2.device, x2.shape[0], derived)
 
     def _plan(self, family: str, device: torch.device, rows: int, derived: Derived) -> Plan:
         # a plan depends on nothing else (the C kernel's and _int_mm's checks are the process's)

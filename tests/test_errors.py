@@ -215,3 +215,48 @@ def test_missing_key_is_reported():
     del sd["weight_scale"]
     with pytest.raises(RuntimeError, match="Missing key.*weight_scale"):
         layer.load_state_dict(sd)
+
+
+@pytest.mark.parametrize("x", ["x", [[0.0] * 64], np.zeros((2, 64), np.float32)],
+                         ids=["str", "list", "ndarray"])
+def test_an_x_that_is_no_tensor_is_named_by_its_type(x):
+    layer = PackedInt4Linear(64, 8)
+    with pytest.raises(ContractTypeError, match=rf"^x must be a torch\.Tensor, got "
+                                                rf"{type(x).__name__}$"):
+        layer(x)
+    with pytest.raises(ContractTypeError, match=r"^x must be a torch\.Tensor"):
+        layer.plan(x)
+
+
+def test_a_weight_shape_written_in_place_is_named_at_the_next_forward():
+    """A write that bypasses load_state_dict (a serving stack's copy_) is checked when read."""
+    layer = PackedInt4Linear(64, 4)
+    layer.weight_shape.copy_(torch.tensor([4, 32]))
+    for call in (layer, layer.plan):
+        with pytest.raises(ShapeError, match=r"^weight_shape: \[4, 32\], but the layer is "
+                                             r"\[4, 64\]$"):
+            call(torch.randn(2, 64))
+
+
+def test_what_the_loader_and_the_constructor_refuse_is_named_exactly():
+    layer = PackedInt4Linear(64, 4)
+    sd = layer.state_dict()
+    with pytest.raises(ContractTypeError, match=r"^weight_scale must be a torch\.Tensor, got "
+                                                r"list$"):
+        layer.load_state_dict({**sd, "weight_scale": [[1.0, 1.0]] * 4})
+    with pytest.raises(ShapeError, match=r"^weight_scale: shape \(4, 3\), expected \(4, 2\)"):
+        layer.load_state_dict({**sd, "weight_scale": torch.ones(4, 3, dtype=torch.bfloat16)})
+    with pytest.raises(RuntimeError, match=r'Unexpected key\(s\) in state_dict: "bias"'):
+        layer.load_state_dict({**sd, "bias": torch.zeros(4)})
+    with pytest.raises(ContractValueError, match=r"^backend must be one of \('auto', 'cpu', "
+                                                 r"'triton'\), got 'gpu'$"):
+        PackedInt4Linear(64, 4, backend="gpu")
+
+
+def test_a_non_finite_scale_written_in_place_is_named_at_the_next_forward():
+    layer = PackedInt4Linear(64, 4)
+    layer(torch.randn(2, 64))  # derived once: the write below must be seen
+    layer.weight_scale[1, 0] = float("inf")
+    with pytest.raises(NonFiniteError, match=r"^weight_scale has 1 non-finite value\(s\); the "
+                                             r"first at index \(1, 0\)"):
+        layer(torch.randn(2, 64))

@@ -12,11 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from exactness import ExactLinear, PackedInt4Linear
-from exactness.contract import BFLOAT16, FLOAT32, FORMATS, ContractValueError
+from exactness.contract import BFLOAT16, FLOAT32, FORMATS, ContractValueError, ShapeError
 from exactness.dataflow import act_limbs, activation_limbs
 from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits, torch_dtype
 from exactness.kernels import REGISTRY, KernelUnavailableError, native, triton_exact
 from exactness.kernels.registry import no
+from exactness.modules import same_bits
 from exactness.suite.cases import LinearCase, load_vectors
 from exactness.suite.counterexamples import check_bits
 from exactness.suite.paths import (
@@ -687,10 +688,141 @@ def test_a_backward_through_the_layer_raises():
     x = torch.randn(3, 64, requires_grad=True)
     y = layer(x)
     assert y.requires_grad and torch.equal(y.detach(), layer(x.detach()))
-    with pytest.raises(ContractValueError, match="no gradient"):
+    with pytest.raises(ContractValueError, match=r"^the exact layers define no gradient: x "
+                       r"required grad, and a backward reached PackedInt4Linear/ExactLinear "
+                       r"\(run them under torch\.no_grad\(\), or detach x\)$"):
         (y * 2).sum().backward()
     with torch.no_grad():
         assert not layer(x).requires_grad
+
+
+def test_a_trace_of_the_layer_is_refused_saying_why(monkeypatch):
+    layer = ExactLinear.from_weight(torch.randn(8, 64))
+    monkeypatch.setattr(torch.jit, "is_tracing", lambda: True)
+    with pytest.raises(ContractValueError, match=r"^the exact layers cannot be traced by "
+                       r"torch\.jit\.trace: their kernels write the output where the tracer "
+                       r"does not see it, so a trace would replay uninitialised memory; call the "
+                       r"layer eagerly$"):
+        layer(torch.randn(2, 64))
+
+
+def test_same_bits_compares_bits_shape_dtype_and_device():
+    """The buffer check's compare: the same bytes under another dtype or shape differ; sizes
+    that are no multiple of 8 bytes are compared byte by byte; -0.0 and +0.0 differ."""
+    t = torch.arange(-8, 8, dtype=torch.int16)
+    assert same_bits(t, t.clone())
+    assert not same_bits(t, t.view(torch.bfloat16))  # the same bytes, another dtype
+    assert not same_bits(t, t.view(4, 4))  # the same bytes, another shape
+    nine = torch.arange(9, dtype=torch.uint8)
+    assert same_bits(nine, nine.clone())
+    assert not same_bits(nine, torch.cat([nine[:8], torch.tensor([0], dtype=torch.uint8)]))
+    assert not same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))
+    nan = torch.tensor([float("nan")])
+    assert same_bits(nan, nan.clone())
+
+
+@pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=needs_triton)])
+def test_the_loading_hook_prepares_what_decode_and_prefill_take(backend):
+    """process_weights_after_loading (vLLM's hook) builds the layouts of the kernels a forward
+    of 1 and of 128 rows takes on this backend, and no other."""
+    layer = PackedInt4Linear(64, 8, backend=backend)
+    layer.process_weights_after_loading()
+    taken = {layer.plan(torch.empty(rows, 64)).kernel.layout for rows in (1, 128)}
+    assert set(layer._derived.layouts) == taken
+    assert ("triton" in taken) == (backend == "triton")
+
+
+def test_plan_refuses_the_x_a_forward_refuses_and_counts_rows_as_it_does():
+    layer = PackedInt4Linear(64, 8)
+    for bad in (torch.tensor(1.0), torch.empty(3, 0), torch.empty(3, 65)):
+        with pytest.raises(ShapeError, match="x.shape\\[-1\\] must be in_features=64"):
+            layer.plan(bad)
+    for shape in ((2, 12, 64), (3, 8, 1, 64), (1, 1, 64)):  # rows: every dim but the last
+        rows = int(np.prod(shape[:-1]))
+        assert str(layer.plan(torch.empty(shape))) == str(layer.plan(torch.empty(rows, 64)))
+    assert layer.plan(torch.empty(2, 12, 64)).kernel.name != layer.plan(
+        torch.empty(12, 64)).kernel.name or not native.library()  # 24 rows: the span kernel
+
+
+@needs_triton
+def test_gpu_weights_are_the_triton_kernels_own(monkeypatch):
+    layer = PackedInt4Linear(64, 8, backend="triton")
+    device = torch.device("cpu")  # the interpreter's
+    layer(torch.randn(2, 64))
+    assert layer.gpu_weights(device) is layer.prepared(triton_exact.GROUP)[device]
+
+
+def test_an_empty_x_runs_no_kernel_and_keeps_the_output_dtype(monkeypatch):
+    """No row: no plan and no kernel run, and y [..., 0, N] in the output's dtype on x's
+    device, as a forward with rows would give."""
+    import exactness.modules as modules
+
+    layer = PackedInt4Linear(64, 8)
+    wide = PackedInt4Linear(64, 8, out_dtype=torch.float32)
+    monkeypatch.setattr(modules, "plan", mock.Mock(side_effect=AssertionError("planned")))
+    for x in (torch.empty(0, 64, dtype=torch.bfloat16), torch.empty(2, 0, 64, dtype=torch.float16)):
+        assert layer(x).shape == (*x.shape[:-1], 8) and layer(x).dtype == x.dtype
+        assert wide(x).shape == (*x.shape[:-1], 8) and wide(x).dtype == torch.float32
+
+
+def test_the_repr_names_the_widths_the_backend_and_a_forced_kernel():
+    assert repr(PackedInt4Linear(64, 8)) == ("PackedInt4Linear(in_features=64, out_features=8, "
+                                             "bits=4, act_bits=16, backend=auto)")
+    forced = ExactLinear(64, 8, 8, bits=8, backend="cpu", kernel="wide")
+    assert repr(forced) == ("ExactLinear(in_features=64, out_features=8, bits=8, act_bits=8, "
+                            "backend=cpu, kernel=wide)")
+
+
+def test_derived_bytes_are_the_copies_the_certificate_and_each_layout():
+    layer = PackedInt4Linear(64, 16)
+    weights, cert = layer.weights(), layer.certificate
+    own = {t.data_ptr(): t for t in (weights.packed, weights.scale, cert.emin, cert.spread,
+                                     cert.factor, cert.fast)}
+    base = sum(t.numel() * t.element_size() for t in own.values())
+    assert layer.derived_nbytes() == base > 0
+    x = torch.randn(2, 64)
+    layer(x)
+    kernel = layer.plan(x).kernel
+    assert layer.derived_nbytes() == base + layer.prepared(kernel).nbytes > base
+    gemm = layer.prepared("int8-gemm")  # a second layout: both counted
+    assert layer.derived_nbytes() == base + layer.prepared(kernel).nbytes + gemm.nbytes
+
+
+def test_the_leading_dims_of_x_are_rows_and_come_back():
+    layer = PackedInt4Linear(64, 8)
+    x = torch.randn(2, 3, 64).bfloat16()
+    y = layer(x)
+    assert y.shape == (2, 3, 8)
+    assert torch.equal(y.view(torch.int16), layer(x.reshape(6, 64)).view(2, 3, 8).view(torch.int16))
+    one = layer(x[0, 0])  # a 1-D x is one row
+    assert one.shape == (8,) and torch.equal(one.view(torch.int16), y[0, 0].view(torch.int16))
+
+
+def test_the_certificate_in_the_widths_it_promises():
+    """factor is ms << (es - emin) as int32 on fast rows and 0 on slow ones (the fast kernels'
+    work on a slow row, overwritten by wide's, stays small); an empty scale certifies nothing."""
+    from exactness.formats import split_scales
+    from exactness.modules import certify
+
+    scale = torch.tensor([[1.0, 2.0**5], [1.0, 2.0**30], [-3.0, 0.0]]).bfloat16()
+    cert = certify(scale, 64, 4, 16)
+    assert cert.fast.tolist() == [True, False, True] and cert.slow_rows.tolist() == [1]
+    ms, shift, _, _ = split_scales(tensor_to_bits(scale))
+    assert cert.factor.dtype == torch.int32
+    assert cert.factor.tolist() == [(ms[0] << shift[0]).tolist(), [0, 0],
+                                    (ms[2] << shift[2]).tolist()]
+    assert cert.fast_spread == 5
+    flat = certify(torch.tensor([[1.0, 1.0], [1.0, 2.0**30]]).bfloat16(), 64, 4, 16)
+    assert flat.fast_spread == 0  # a slow row's spread is no fast row's
+    empty = certify(torch.empty(0, 2, dtype=torch.bfloat16), 64, 4, 16)
+    assert empty.fast_spread == 0 and empty.factor.shape == (0, 2)
+
+
+def test_from_weight_refuses_what_is_no_matrix():
+    for bad in (torch.randn(64), torch.randn(2, 8, 64), [[1.0] * 64]):
+        with pytest.raises(ShapeError, match=r"^weight must be a 2-D tensor \[out_features, "
+                           r"in_features\]$"):
+            ExactLinear.from_weight(bad)
 
 
 @pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
