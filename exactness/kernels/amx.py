@@ -16,14 +16,13 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import os
 import warnings
 from pathlib import Path
 
 import torch
 
 from .. import dataflow
-from ..contract import ContractValueError, FloatFormat
+from ..contract import FloatFormat
 from . import native
 from .registry import Fit, Weights, int8_limbs_hold, no, yes
 
@@ -39,19 +38,12 @@ MIN_ROWS = dataflow.AMX_TILE_ROWS
 
 def mode() -> str:
     """EXACTNESS_AMX: "1" (the default), "0" or "emulate"; ContractValueError for anything else."""
-    value = os.environ.get("EXACTNESS_AMX", "1")
-    if value not in MODES:
-        raise ContractValueError(f"EXACTNESS_AMX must be one of {', '.join(MODES)}, got {value!r}")
-    return value
+    return native.switch("EXACTNESS_AMX", MODES)
 
 
 def missing_features() -> list[str]:
     """The AMX features /proc/cpuinfo does not list ([] on an AMX machine)."""
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return ["/proc/cpuinfo (unreadable)"]
-    return [f for f in NEEDS if f not in flags]
+    return native.cpu_lacks(NEEDS)
 
 
 def source(emulated: bool, amx_source: str | None = None) -> str:

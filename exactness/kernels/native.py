@@ -57,26 +57,44 @@ SPAN_MIN_ROWS = 24  # from here on the span kernel is faster (measured: docs/PER
 LANE_ROWS = [row for i in range(8) for row in (i, 8 + i)]
 
 
-def _missing_features() -> list[str]:
+@functools.cache
+def _cpu_flags() -> frozenset[str] | None:
+    """The CPU's feature flags as /proc/cpuinfo lists them, read once (None: unreadable)."""
     try:
-        flags = Path("/proc/cpuinfo").read_text().split()
+        return frozenset(Path("/proc/cpuinfo").read_text().split())
     except OSError:
+        return None
+
+
+def cpu_lacks(needs) -> list[str]:
+    """The features of `needs` the CPU does not list (the C kernels' and the AMX kernel's)."""
+    flags = _cpu_flags()
+    if flags is None:
         return ["/proc/cpuinfo (unreadable)"]
-    return [f for f in NEEDS if f not in flags]
+    return [f for f in needs if f not in flags]
+
+
+def _missing_features() -> list[str]:
+    return cpu_lacks(NEEDS)
 
 
 def _cpu_has_vnni() -> bool:
     return not _missing_features()
 
 
+def switch(variable: str, modes: dict) -> str:
+    """The environment `variable`'s mode, one of `modes` ("1" where unset); ContractValueError
+    for anything else (EXACTNESS_NATIVE's and EXACTNESS_AMX's)."""
+    value = os.environ.get(variable, "1")
+    if value not in modes:
+        raise ContractValueError(f"{variable} must be one of {', '.join(modes)}, got {value!r}")
+    return value
+
+
 def mode() -> str:
     """EXACTNESS_NATIVE: "1" (the default: the real instructions where the CPU has them), "0"
     (off) or "emulate" (avx512_emulated.h); ContractValueError for anything else."""
-    value = os.environ.get("EXACTNESS_NATIVE", "1")
-    if value not in MODES:
-        raise ContractValueError(f"EXACTNESS_NATIVE must be one of {', '.join(MODES)}, got "
-                                 f"{value!r}")
-    return value
+    return switch("EXACTNESS_NATIVE", MODES)
 
 
 def emulated() -> bool:
