@@ -60,53 +60,56 @@ def unavailable(path: str) -> tuple[str, bool] | None:
 
 
 def expected_here(kernel: str) -> bool:
-    """Whether the C kernel `kernel` must run here (native_expected; the AMX kernel where the
-    CPU has AMX-INT8 too, or its tiles are emulated)."""
-    from ..kernels import amx
-
-    if kernel == amx.AMX.name:
-        return native_expected() and amx.mode() != "0" and (amx.mode() == "emulate"
-                                                            or not amx.missing_features())
-    return by_name(REGISTRY, kernel).layout == "vnni" and native_expected()
-
-
-def native_expected() -> bool:
-    """Whether the C kernel must run here: a C compiler is on PATH, nothing turned it off
-    (EXACTNESS_NATIVE=0), and the CPU has AVX-512 VNNI or the kernel is emulated
-    (EXACTNESS_NATIVE=emulate, emulate_the_c_kernel_where_missing)."""
+    """Whether the C kernel `kernel` must run here: a C compiler is on PATH and every C build it
+    rests on is expected (_build_expected). The AMX kernel rests on two: the VNNI kernel's and
+    its own tiles'."""
     import shutil
 
-    from ..kernels import native
+    from ..kernels import amx
 
-    mode = native.mode()
-    return (mode != "0" and (mode == "emulate" or not native._missing_features())
+    if by_name(REGISTRY, kernel).layout != "vnni":
+        return False
+    builds = _c_builds()[:2 if kernel == amx.AMX.name else 1]
+    return (all(map(_build_expected, builds))
             and shutil.which(os.environ.get("CC", "cc")) is not None)
 
 
-def emulate_the_c_kernel_where_missing() -> str:
-    """The suite checks the C kernels on every CPU: where AVX-512 VNNI is missing, emulated
-    (EXACTNESS_NATIVE=emulate, unless EXACTNESS_NATIVE is set), and the AMX kernel's tiles where
-    AMX-INT8 is (EXACTNESS_AMX=emulate, likewise). Says which builds it checks."""
+def _c_builds():
+    """The C builds the suite checks on every CPU, each (what it is, its switch, the switch's
+    modes, then two calls: its mode, the CPU features it lacks): the VNNI kernel's, then the AMX
+    tiles', which rest on it."""
     from ..kernels import amx, native
 
-    missing = native._missing_features()
-    if missing and "EXACTNESS_NATIVE" not in os.environ:
-        os.environ["EXACTNESS_NATIVE"] = "emulate"
-    mode = native.mode()
-    if mode == "0":
-        return "the C kernel: off (the AMX kernel with it)"
-    if mode == "emulate":
-        why = f": the CPU lacks {', '.join(missing)}" if missing else ""
-        c_kernel = f"the C kernel emulated (EXACTNESS_NATIVE=emulate{why})"
-    else:
-        c_kernel = f"the C kernel: {native.MODES[mode]}"
-    missing = amx.missing_features()
-    if missing and "EXACTNESS_AMX" not in os.environ:
-        os.environ["EXACTNESS_AMX"] = "emulate"
-    if amx.mode() == "emulate":
-        why = f": the CPU lacks {', '.join(missing)}" if missing else ""
-        return f"{c_kernel}; the AMX kernel's tiles emulated (EXACTNESS_AMX=emulate{why})"
-    return f"{c_kernel}; the AMX kernel: {amx.MODES[amx.mode()]}"
+    return (("the C kernel", "EXACTNESS_NATIVE", native.MODES, native.mode,
+             native._missing_features),
+            ("the AMX kernel's tiles", "EXACTNESS_AMX", amx.MODES, amx.mode,
+             amx.missing_features))
+
+
+def _build_expected(build) -> bool:
+    """Whether a C build must run here: its switch is on, and the CPU has its features or the
+    switch emulates them."""
+    _, _, _, mode, missing = build
+    return mode() != "0" and (mode() == "emulate" or not missing())
+
+
+def emulate_the_c_kernel_where_missing() -> str:
+    """The suite checks the C kernels on every CPU: each C build (_c_builds) emulated where the
+    CPU lacks its features, unless its switch is set (EXACTNESS_NATIVE=emulate for AVX-512
+    VNNI, EXACTNESS_AMX=emulate for AMX-INT8). Says which builds it checks."""
+    said = []
+    for what, variable, modes, mode, missing in _c_builds():
+        lacks = missing()
+        if lacks and variable not in os.environ:
+            os.environ[variable] = "emulate"
+        if mode() == "0" and not said:  # the first build off turns the next off with it
+            return f"{what}: off (the AMX kernel with it)"
+        if mode() == "emulate":
+            why = f": the CPU lacks {', '.join(lacks)}" if lacks else ""
+            said.append(f"{what} emulated ({variable}=emulate{why})")
+        else:
+            said.append(f"{what}: {modes[mode()]}")
+    return "; ".join(said)
 
 
 def refused_here() -> list[str]:
