@@ -22,6 +22,7 @@ from exactness.formats import (
     rne_shift_right,
     round_scaled,
     round_scaled_array,
+    split_scales,
     tensor_to_bits,
     torch_dtype,
     unpack_weights,
@@ -193,3 +194,33 @@ def test_torch_int64_to_bf16_rounds_twice():
 def test_zero_word_packs_zero_weights(bits):
     assert zero_word(bits) == int(pack_weights(np.zeros((1, 32 // bits), np.int64), bits)[0, 0])
     assert (unpack_weights(np.full((1, 1), zero_word(bits), np.int32), bits) == 0).all()
+
+
+@pytest.mark.parametrize("on_torch", [False, True])
+def test_split_scales_where_scales_are_zero(on_torch):
+    """A zero scale (+0 or -0) takes shift 0, so a row's spread is that of its nonzero scales
+    alone; an all-zero row has emin 0; the others emin their least exponent (1.0 = 128 * 2**-7)."""
+    one, two, zero, minus_zero = 0x3F80, 0x4000, 0x0000, 0x8000
+    bits = np.array([[one, zero, two, minus_zero], [zero, minus_zero, zero, zero],
+                     [one, zero, one, zero]])
+    ms, shift, emin, spread = (np.asarray(v) for v in split_scales(
+        torch.from_numpy(bits) if on_torch else bits))
+    assert ms.tolist() == [[128, 0, 128, 0], [0, 0, 0, 0], [128, 0, 128, 0]]
+    assert shift.tolist() == [[0, 0, 1, 0], [0, 0, 0, 0], [0, 0, 0, 0]]
+    assert emin.tolist() == [-7, 0, -7] and spread.tolist() == [1, 0, 0]
+
+
+@pytest.mark.parametrize("on_torch", [False, True])
+def test_int16_views_of_the_patterns_decode_as_int64_ones(on_torch):
+    """A bf16 tensor's bits viewed as int16 (`scale.view(torch.int16)`) hold the negative
+    numbers' patterns as negative integers: decoded and split, they give what the int64 patterns
+    give, with no narrow integer on the way (split_scales' 2**62 does not fit int16)."""
+    patterns = np.array([0x3F80, 0xBF80, 0x8000, 0x0001, 0x8001, 0x7F7F, 0xFF7F])
+    as16 = patterns.astype(np.uint16).view(np.int16)
+    view = torch.from_numpy(as16) if on_torch else as16
+    m, e = (np.asarray(v) for v in decode_array(view, BFLOAT16))
+    assert m.tolist() == [128, -128, 0, 1, -1, 255, -255]
+    assert e.tolist() == [-7, -7, -133, -133, -133, 120, 120]
+    for got, want in zip(split_scales(view.reshape(1, -1)), split_scales(patterns.reshape(1, -1)),
+                         strict=True):
+        assert np.asarray(got).tolist() == want.tolist()

@@ -242,6 +242,53 @@ def test_int_mm_bound_is_the_attained_worst_sum():
     assert dataflow.int_mm_bound(chunk) < 2**31 <= dataflow.int_mm_bound(2 * chunk)
 
 
+@pytest.mark.parametrize("acc_bits", [32, 64])
+def test_max_safe_spread_is_the_largest_spread_that_fits(acc_bits):
+    """The largest spread whose combine_bound fits a signed acc_bits accumulator, -1 where
+    none does (an int32 combine at Kimi's sizes): the certificate's limit, from both sides."""
+    limit = 2 ** (acc_bits - 1) - 1
+    for k in (32, 256, 7168, 18432):
+        for w_bits in (4, 8):
+            for act_bits in (8, 16, 32):
+                spread = dataflow.max_safe_spread(k, w_bits, act_bits, acc_bits)
+                assert dataflow.combine_bound(k, w_bits, act_bits, spread + 1) > limit
+                assert spread == -1 or dataflow.combine_bound(k, w_bits, act_bits,
+                                                              spread) <= limit
+    assert dataflow.max_safe_spread(7168, 4, 16, 32) == -1
+    # so an int32 combine certifies no spread: `prove --acc-bits 32` checks spread 0, not 64's
+    assert dataflow.certified_spread(7168, 4, 16, 32) == -1
+
+
+def test_weight_limbs_needed_at_each_counts_edges():
+    """c signed int8 digits hold exactly [-128 S, 127 S], S = (256**c - 1) / 255: one step
+    past either end takes one more digit (the CPU path sizes its folded weights' digits so)."""
+    assert dataflow.weight_limbs_needed(0, 0) == 1
+    for count in (1, 2, 3, 4):
+        span = (256**count - 1) // 255
+        assert dataflow.weight_limbs_needed(-128 * span, 127 * span) == count
+        assert dataflow.weight_limbs_needed(-128 * span - 1, 0) == count + 1
+        assert dataflow.weight_limbs_needed(0, 127 * span + 1) == count + 1
+
+
+@pytest.mark.parametrize("w_bits, act_bits", [(4, 8), (4, 16), (8, 16), (8, 32)])
+def test_the_wide_kernels_int64_sums_hold_their_worst_groups(w_bits, act_bits):
+    """wide.combine sums dataflow.wide_groups_per_sum groups' P * ms in int64 at a time: the
+    most whose worst sum int64 holds (one more could pass 2**63 - 1), so no int64 sum wraps and
+    none is cut short. At 8-bit weights and 32-bit activations that is 4112 groups, and one slice
+    more of them at the worst P and scale still gives the exact T."""
+    from exactness.kernels.wide import combine
+
+    worst = group_dot_bound(w_bits, act_bits) * (2**dataflow.SCALE_MANT_BITS - 1)
+    count = dataflow.wide_groups_per_sum(w_bits, act_bits)
+    assert count * worst <= 2**63 - 1 < (count + 1) * worst
+    if (w_bits, act_bits) == (8, 32):
+        assert count == 4112
+        p = torch.full((1, count + 5), group_dot_bound(w_bits, act_bits), dtype=torch.int64)
+        ms = torch.full((count + 5,), -255, dtype=torch.int64)
+        shift = torch.zeros(count + 5, dtype=torch.int64)
+        assert combine(p, ms, shift, count) == [-worst * (count + 5)]
+
+
 @pytest.mark.parametrize("act_bits", [4, 8, 16, 32])
 def test_activation_limbs_recombine_at_every_width(act_bits):
     """qa in [-Qa, Qa] as 1, 1, 2 or 4 int8 limbs of qa minus the offset (0, 0, 128, 0x808080:
