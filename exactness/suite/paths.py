@@ -13,7 +13,9 @@ every other path as one layer of all the experts' weights, each row's routed out
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -61,7 +63,7 @@ def unavailable(path: str) -> tuple[str, bool] | None:
 
 def expected_here(kernel: str) -> bool:
     """Whether the C kernel `kernel` must run here: a C compiler is on PATH and every C build it
-    rests on is expected (_build_expected). The AMX kernel rests on two: the VNNI kernel's and
+    rests on is expected (CBuild.expected). The AMX kernel rests on two: the VNNI kernel's and
     its own tiles'."""
     import shutil
 
@@ -70,27 +72,33 @@ def expected_here(kernel: str) -> bool:
     if by_name(REGISTRY, kernel).layout != "vnni":
         return False
     builds = _c_builds()[:2 if kernel == amx.AMX.name else 1]
-    return (all(map(_build_expected, builds))
+    return (all(build.expected() for build in builds)
             and shutil.which(os.environ.get("CC", "cc")) is not None)
 
 
-def _c_builds():
-    """The C builds the suite checks on every CPU, each (what it is, its switch, the switch's
-    modes, then two calls: its mode, the CPU features it lacks): the VNNI kernel's, then the AMX
-    tiles', which rest on it."""
+class CBuild(NamedTuple):
+    """One C build the suite checks on every CPU, and the switch that turns it on or emulates it."""
+
+    what: str
+    variable: str  # its switch: EXACTNESS_NATIVE or EXACTNESS_AMX
+    modes: dict
+    mode: Callable[[], str]  # the switch's value
+    missing: Callable[[], list[str]]  # the CPU features it lacks here
+
+    def expected(self) -> bool:
+        """Whether it must run here: its switch is on, and the CPU has its features or the
+        switch emulates them."""
+        return self.mode() != "0" and (self.mode() == "emulate" or not self.missing())
+
+
+def _c_builds() -> tuple[CBuild, CBuild]:
+    """The VNNI kernel's build, then the AMX tiles', which rest on it."""
     from ..kernels import amx, native
 
-    return (("the C kernel", "EXACTNESS_NATIVE", native.MODES, native.mode,
-             native._missing_features),
-            ("the AMX kernel's tiles", "EXACTNESS_AMX", amx.MODES, amx.mode,
-             amx.missing_features))
-
-
-def _build_expected(build) -> bool:
-    """Whether a C build must run here: its switch is on, and the CPU has its features or the
-    switch emulates them."""
-    _, _, _, mode, missing = build
-    return mode() != "0" and (mode() == "emulate" or not missing())
+    return (CBuild("the C kernel", "EXACTNESS_NATIVE", native.MODES, native.mode,
+                   native._missing_features),
+            CBuild("the AMX kernel's tiles", "EXACTNESS_AMX", amx.MODES, amx.mode,
+                   amx.missing_features))
 
 
 def emulate_the_c_kernel_where_missing() -> str:
@@ -98,17 +106,17 @@ def emulate_the_c_kernel_where_missing() -> str:
     CPU lacks its features, unless its switch is set (EXACTNESS_NATIVE=emulate for AVX-512
     VNNI, EXACTNESS_AMX=emulate for AMX-INT8). Says which builds it checks."""
     said = []
-    for what, variable, modes, mode, missing in _c_builds():
-        lacks = missing()
-        if lacks and variable not in os.environ:
-            os.environ[variable] = "emulate"
-        if mode() == "0" and not said:  # the first build off turns the next off with it
-            return f"{what}: off (the AMX kernel with it)"
-        if mode() == "emulate":
+    for build in _c_builds():
+        lacks = build.missing()
+        if lacks and build.variable not in os.environ:
+            os.environ[build.variable] = "emulate"
+        if build.mode() == "0" and not said:  # the first build off turns the next off with it
+            return f"{build.what}: off (the AMX kernel with it)"
+        if build.mode() == "emulate":
             why = f": the CPU lacks {', '.join(lacks)}" if lacks else ""
-            said.append(f"{what} emulated ({variable}=emulate{why})")
+            said.append(f"{build.what} emulated ({build.variable}=emulate{why})")
         else:
-            said.append(f"{what}: {modes[mode()]}")
+            said.append(f"{build.what}: {build.modes[build.mode()]}")
     return "; ".join(said)
 
 
