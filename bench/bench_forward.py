@@ -101,36 +101,57 @@ def main() -> int:
 
 
 def amx_table(args) -> list[str]:
-    """The AMX kernel beside the VNNI kernel the plan took before it (vnni-spans for 16-bit
-    activations from SPAN_MIN_ROWS rows on, else vnni-limbs) and bf16, on a machine with AMX;
-    elsewhere one line saying why there are no rows."""
-    from exactness.kernels import amx, native
+    """The AMX kernel beside both VNNI kernels (the span kernel at 16-bit activations) and bf16,
+    on a machine with AMX (the plan's choice between them: amx.MIN_ROWS); elsewhere one line
+    saying why there are no rows."""
+    from exactness.kernels import amx
 
     lib, why = amx.status()
     if lib is None or amx.mode() != "1":
         return [f"AMX: no rows here ({why.why}). make verify checks the emulated kernel's bits."]
-    lines = ["| shape | act_bits | M | amx ms | vnni ms | bf16 ms | amx/bf16 | vnni/bf16 |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = [f"AMX: {torch.get_num_threads()} threads, median of {args.repeats}, scales over "
+             f"{args.binades} binades per row", "",
+             "| shape | act_bits | M | amx ms | vnni-limbs ms | vnni-spans ms | bf16 ms | "
+             "amx/bf16 | best vnni/bf16 |", "|" + " --- |" * 9]
     print("\n".join(lines), flush=True)
     for name, (k, n) in SHAPES.items():
         for act_bits in args.act_bits:
-            tiles = kimi_layer(k, n, act_bits, binades=args.binades, kernel="amx")
-            w = dequantized_bf16(tiles)
-            kernels = ("vnni-limbs", "vnni-spans") if act_bits == 16 else ("vnni-limbs",)
-            layers = {kernel: kimi_layer(k, n, act_bits, binades=args.binades, kernel=kernel)
-                      for kernel in kernels}
+            if act_bits > 16:
+                continue  # amx takes two limbs at most
+            kernels = ("amx", "vnni-limbs", "vnni-spans") if act_bits == 16 else (
+                "amx", "vnni-limbs")
+            layers = [kimi_layer(k, n, act_bits, binades=args.binades, kernel=kernel)
+                      for kernel in kernels]
+            w = dequantized_bf16(layers[0])
             for m in args.m:
-                spans = act_bits == 16 and m >= native.SPAN_MIN_ROWS
-                vnni = layers["vnni-spans" if spans else "vnni-limbs"]
                 x = torch.randn(m, k).bfloat16()
-                t_amx, t_vnni, t_bf16 = side_by_side(
-                    [lambda: tiles(x), lambda: vnni(x), lambda: x @ w.t()], args.repeats)
-                lines.append(f"| {name} | {act_bits} | {m} | {t_amx * 1e3:.2f} | "
-                             f"{t_vnni * 1e3:.2f} | {t_bf16 * 1e3:.2f} | {t_amx / t_bf16:.2f} | "
-                             f"{t_vnni / t_bf16:.2f} |")
+                times = side_by_side([*(lambda layer=layer: layer(x) for layer in layers),
+                                      lambda: x @ w.t()], args.repeats)
+                ms = [f"{t * 1e3:.2f}" for t in times[:-1]] + (["-"] if len(kernels) == 2 else [])
+                lines.append(f"| {name} | {act_bits} | {m} | {' | '.join(ms)} | "
+                             f"{times[-1] * 1e3:.2f} | {times[0] / times[-1]:.2f} | "
+                             f"{min(times[1:-1]) / times[-1]:.2f} |")
                 print(lines[-1], flush=True)
     return lines
 
 
+def amx_only() -> int:
+    """--amx: the AMX table alone (bench/amx_check.sh runs it on a Xeon with AMX)."""
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--amx", action="store_true")
+    parser.add_argument("--m", type=int, nargs="+", default=[1, 16, 32, 64, 128, 256])
+    parser.add_argument("--act-bits", type=int, nargs="+", default=[16, 8])
+    parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--binades", type=int, default=2)
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    lines = amx_table(args)
+    if len(lines) == 1:
+        print(lines[0])
+    return 0
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    import sys
+
+    raise SystemExit(amx_only() if "--amx" in sys.argv else main())

@@ -126,12 +126,35 @@ def activation_limbs(qa, act_bits: int):
 GROUP_ACT_LIMBS = 4
 GEMM_ACT_LIMBS = 2
 
-# The AMX kernel (cpu_amx.c): each tdpbusd sums AMX_TILE_K biased u8 x int8 products per int32
-# element of a tile zeroed before it, in steps of 4 (one dword pair), since every group has a
-# scale of its own; its dot is then vpdpbusd's, combined as the VNNI kernel combines (proved:
-# amx-tile-dot, vnni-recombine, vnni-four-limbs). Tiles of AMX_TILE_ROWS activation rows.
-AMX_TILE_K = GROUP_SIZE
+# The AMX kernel (cpu_amx.c): an int8 GEMM on tiles of the folded weights q * f, f = c >> base over
+# a span of groups (|q * f| <= span_fold_limit: s16), split into a u8 and an s8 digit, against the
+# activations' 1 or 2 biased u8 limbs (AMX_ACT_LIMBS). Each span's dots are summed in
+# DOT_ACC_BITS over at most AMX_SPAN_GROUPS groups (amx_span_dot_bound), then combined in int64
+# (amx_combine_bound). Tiles of AMX_TILE_ROWS activation rows, AMX_STEP_K k per tile step.
 AMX_TILE_ROWS = 16
+AMX_STEP_K = 64
+AMX_ACT_LIMBS = 2
+AMX_SPAN_GROUPS = 1024
+
+
+def amx_span_dot_bound(groups: int = AMX_SPAN_GROUPS) -> int:
+    """Worst |D| of one span's tile dot: u8 limbs times u8 (low) or s8 (high) digits."""
+    return groups * GROUP_SIZE * 255 * 255
+
+
+def amx_combine_bound(k: int, w_bits: int, act_bits: int, spread: int) -> int:
+    """Worst |T| of the AMX kernel's combine, and of every partial sum on the way: each span adds
+    sum_k (qa + B) * q * c (B = 2**(8 L - 1), the limbs' bias) to a T that starts at -B * R,
+    R = sum_k q * c; so (Qa + B) * sum_k |q * c|, with |c| <= 255 << spread."""
+    bias = 2 ** (LIMB_BITS * act_limbs(act_bits) - 1)
+    return (act_qmax(act_bits) + bias) * k * 2 ** (w_bits - 1) * (2**SCALE_MANT_BITS - 1) << spread
+
+
+def amx_holds(k: int, w_bits: int, act_bits: int, spread: int) -> bool:
+    """Whether the AMX kernel's combine stays within COMBINE_ACC_BITS (proved: amx-span-combine)
+    and its activations within AMX_ACT_LIMBS limbs."""
+    return (act_limbs(act_bits) <= AMX_ACT_LIMBS and
+            amx_combine_bound(k, w_bits, act_bits, spread) <= 2 ** (COMBINE_ACC_BITS - 1) - 1)
 
 
 def wide_groups_per_sum(w_bits: int, act_bits: int) -> int:

@@ -27,7 +27,7 @@ from tests.test_modules import skip_unless_here
 
 pytestmark = pytest.mark.stage("equivalence")  # make verify's stage
 # the kernels that hold 32-bit activations: the group kernels (four limbs) and the CPU's wide ones
-HOLD_32_BITS = ("amx", "vnni-limbs", "vnni-grouped", "float64-gemm", "int64-matmul", "triton-group",
+HOLD_32_BITS = ("vnni-limbs", "vnni-grouped", "float64-gemm", "int64-matmul", "triton-group",
                 "triton-grouped", "wide")
 
 

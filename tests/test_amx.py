@@ -3,6 +3,9 @@ built everywhere and run where AMX-INT8 is; refused with the reason where it can
 unasked only as real tiles, from a tile's 16 rows on. (Its bits against the reference: the
 equivalence, vector and reliability tests, parametrized over every kernel.)"""
 
+import re
+import shutil
+import subprocess
 import warnings
 
 import numpy as np
@@ -48,15 +51,89 @@ def test_the_emulated_tiles_pass_their_self_check_on_any_cpu(monkeypatch, fresh_
 
 
 def test_a_tile_shape_the_hardware_refuses_faults_and_is_refused(monkeypatch, fresh_status):
-    """An activation tile configured 64 bytes wide against 8 weight rows: tdpbusd faults on the
+    """An activation tile 64 bytes wide against weight tiles of 8 rows: tdpbusd faults on the
     hardware; the emulation counts the fault and the self-check names it."""
     emulated(monkeypatch)
-    planted = amx.SOURCE.read_text().replace("cfg.colsb[4] = cfg.colsb[7] = 32;",
-                                             "cfg.colsb[4] = cfg.colsb[7] = 64;")
-    lib, why = amx.build(planted)
-    assert lib is not None, why.why
-    verdict = amx.self_check(lib)
-    assert not verdict and "faulted" in verdict.why and "the accumulation" in verdict.why
+    planted = amx.SOURCE.read_text().replace("cfg.rows[6] = cfg.rows[7] = AMX_STEP_K / 4;",
+                                             "cfg.rows[6] = cfg.rows[7] = AMX_STEP_K / 8;")
+    lib, verdict = amx.load(planted)
+    assert lib is None and "faulted" in verdict.why and "the accumulation" in verdict.why
+
+
+# configure_tiles as it was before issue 39: GCC 12's _tile_loadconfig, whose asm names 8 of the
+# config's 64 bytes as read
+BEFORE_ISSUE_39 = """
+static void configure_tiles(int rows) {
+    TileConfig cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 4; t++) {
+        cfg.rows[t] = (uint8_t)rows;
+        cfg.colsb[t] = 64;
+    }
+    cfg.rows[4] = cfg.rows[7] = (uint8_t)rows;
+    cfg.colsb[4] = cfg.colsb[7] = 32;
+    cfg.rows[5] = cfg.rows[6] = 8;
+    cfg.colsb[5] = cfg.colsb[6] = 64;
+    _tile_loadconfig(&cfg);
+}
+"""
+# configure_tiles in a function that calls nothing after it, as GCC may inline it into a kernel:
+# the case where a store no asm operand names is dead
+PRINT_CONFIG = """
+#include <stdio.h>
+__attribute__((noinline)) void configure(int rows) { configure_tiles(rows); }
+int main(int argc, char **argv) {
+    configure(argc + 6);
+    for (int i = 0; i < 64; i++) printf("%02x", emulated_config[i]);
+    return 0;
+}
+"""
+COMPILERS = [cc for cc in ("cc", "clang") if shutil.which(cc)]  # clang where it is installed
+
+
+def is_gcc(compiler: str) -> bool:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
+    return "Free Software Foundation" in version and "clang" not in version
+
+
+def config_seen(tmp_path, compiler: str, level: str, configure: str) -> bytes:
+    """The 64 bytes the emulated ldtilecfg is given by `configure` (a configure_tiles), compiled
+    by `compiler` at `level`: a program of its own, run in a child process."""
+    kernel = amx.SOURCE.read_text()
+    config_type = re.search(r"typedef struct \{\n    uint8_t palette.*?\} TileConfig;", kernel,
+                            re.DOTALL)[0]
+    source = tmp_path / f"config{level}.c"
+    sizes = "\n".join(re.findall(r"#define AMX_\w+ \d+", kernel))
+    source.write_text("\n".join((amx.EMULATION.read_text(), sizes, config_type, configure,
+                                 PRINT_CONFIG)))
+    program = tmp_path / f"config{level}"
+    subprocess.run([compiler, level, str(source), "-o", str(program)], check=True,
+                   capture_output=True, timeout=120)
+    return bytes.fromhex(subprocess.run([str(program)], check=True, capture_output=True,
+                                        text=True, timeout=60).stdout)
+
+
+@pytest.mark.parametrize("compiler", COMPILERS)
+def test_every_byte_of_the_tile_config_reaches_ldtilecfg(tmp_path, compiler):
+    """Issue 39. The emulated ldtilecfg sees only the bytes its asm operand shows the compiler,
+    as the real one does (amx_emulated.h). configure_tiles as it was loses its widths and rows to
+    GCC's -O2 and -O3, leaving tiles of 0 rows (the real build's disassembly showed the same,
+    and the first tileloadd raised #UD on a Xeon with AMX). cpu_amx.c's own, through LDTILECFG
+    (the whole config its operand), gives every byte at every level, as at -O0."""
+    kernel = amx.SOURCE.read_text()
+    now = re.search(r"static void configure_tiles\(int rows\) \{.*?\n\}\n", kernel, re.DOTALL)[0]
+    assert "LDTILECFG(cfg);" in now and "_tile_loadconfig" not in now
+    want = config_seen(tmp_path, compiler, "-O0", now)
+    assert want[0] == 1 and all(want[48:56]), want.hex()  # palette 1, tiles 0..7 have rows
+    for level in ("-O2", "-O3"):
+        assert config_seen(tmp_path, compiler, level, now) == want, (compiler, level)
+    if is_gcc(compiler):
+        before = config_seen(tmp_path, compiler, "-O0", BEFORE_ISSUE_39)
+        assert before[0] == 1 and all(before[48:56]), before.hex()
+        for level in ("-O2", "-O3"):
+            lost = config_seen(tmp_path, compiler, level, BEFORE_ISSUE_39)
+            assert lost[0] == 1 and not any(lost[16:]), (level, lost.hex())  # 0 rows, 0 bytes
 
 
 @pytest.mark.parametrize("settings, missing, why", [
@@ -99,20 +176,25 @@ def as_an_amx_machine(monkeypatch) -> None:
     monkeypatch.setattr(amx, "missing_features", lambda: [])
 
 
-def test_the_plan_takes_real_tiles_from_16_rows_and_emulated_ones_never(monkeypatch,
-                                                                        fresh_status):
+@pytest.mark.parametrize("min_rows", [amx.MIN_ROWS, None, 16])
+def test_the_plan_takes_real_tiles_from_min_rows_and_emulated_ones_never(monkeypatch,
+                                                                         fresh_status, min_rows):
+    """amx.MIN_ROWS as set (from a table measured on AMX), None (never: no measurement shows the
+    tiles faster), and 16."""
+    monkeypatch.setattr(amx, "MIN_ROWS", min_rows)
     emulated(monkeypatch)
     w = torch.randn(40, 96)
     for rows in (15, 16, 40):
         assert ExactLinear.from_weight(w).plan(torch.randn(rows, 96)).kernel.name != "amx"
     as_an_amx_machine(monkeypatch)
-    for rows, kernel in ((1, "vnni-limbs"), (15, "vnni-limbs"), (16, "amx"), (40, "amx")):
+    for rows in (1, 15, 16, 40):
         layer = ExactLinear.from_weight(w)
         x = torch.randn(rows, 96).bfloat16()
         plan = layer.plan(x)
-        assert plan.kernel.name == kernel, str(plan)
-        if kernel != "amx":
-            assert "not amx: preferred from 16 rows on" in str(plan)
+        takes = min_rows is not None and rows >= min_rows
+        assert (plan.kernel.name == "amx") == takes, str(plan)
+        if min_rows is not None and rows < min_rows:
+            assert f"not amx: preferred from {min_rows} rows on" in str(plan)
         want = ExactLinear.from_weight(w, kernel="wide")(x)
         assert torch.equal(layer(x).view(torch.int16), want.view(torch.int16))
 
@@ -130,33 +212,31 @@ def test_an_amx_machine_that_refuses_the_kernel_says_why_once(monkeypatch, fresh
 
 
 def test_the_c_tiles_are_the_shapes_dataflow_proves():
-    """cpu_amx.c's tile of activation rows and its K per tdpbusd are dataflow's, whose
-    amx-tile-dot obligation bounds them."""
-    import re
-
+    """cpu_amx.c's tile of activation rows, its K per step and its longest span are dataflow's,
+    whose amx-span obligations bound them."""
     from exactness import dataflow
 
     source = amx.SOURCE.read_text()
-    assert int(re.search(r"#define AMX_ROWS (\d+)", source)[1]) == dataflow.AMX_TILE_ROWS
-    assert int(re.search(r"cfg\.colsb\[4\] = cfg\.colsb\[7\] = (\d+);", source)[1]) == \
-        dataflow.AMX_TILE_K
-    assert amx.MIN_ROWS == dataflow.AMX_TILE_ROWS
+    for name, value in (("AMX_ROWS", dataflow.AMX_TILE_ROWS), ("AMX_STEP_K", dataflow.AMX_STEP_K),
+                        ("AMX_SPAN_GROUPS", dataflow.AMX_SPAN_GROUPS)):
+        assert int(re.search(rf"#define {name} (\d+)", source)[1]) == value, name
 
 
 def test_the_real_tiles_compile_here():
-    """The real build differs from the emulated one in the six tile instructions only; where it
+    """The real build differs from the emulated one in the seven tile instructions only; where it
     cannot run, it still compiles (the instructions' spelling is checked, not their bits)."""
     lib, why = native.build(amx.source(False), amx.FLAGS)
     assert lib is not None, why.why
     assert hasattr(lib, "exact_linear_amx") and hasattr(lib, "amx_request")
 
 
-@pytest.mark.parametrize("act_bits", [8, 16, 32])
+@pytest.mark.parametrize("act_bits", [8, 16])
 @pytest.mark.parametrize("w_bits", [4, 8])
 def test_every_tile_at_its_extremes(act_bits, w_bits):
-    """17 rows (a tile and a tail) of +-Qa against weights all -2**(w_bits - 1) and scale
-    mantissas 255, K = 96 (a pair of groups and one over): every limb's dot, its correction
-    and its group's term at their largest, through the AMX kernel and the reference."""
+    """17 rows (a tile and a tail) of +-Qa against weights all -2**(w_bits - 1), K = 96 (a step
+    and a lone group): every limb at its extremes, and the folded weights at the two digits'
+    edge: scales 255 * 2**-100 and 255 * 2**-96 in one span (f = 255 and 4080, q * f = -32640)
+    for 4-bit weights, 255 * 2**-100 (q * f = -32640) for 8-bit ones."""
     require("amx")
     m, k, n = 17, 96, 20
     qmax = act_qmax(act_bits)
@@ -164,8 +244,16 @@ def test_every_tile_at_its_extremes(act_bits, w_bits):
     x = np.where(even, round_scaled(qmax, 0, FLOAT32), round_scaled(-qmax, 0, FLOAT32))
     x = np.broadcast_to(x, (m, k)).copy()
     q = np.full((n, k), -(2 ** (w_bits - 1)))
-    scales = np.full((n, k // 32), round_scaled(255, -100, BFLOAT16))  # 255 * 2**-100
+    exponents = np.array([-100, -96, -100]) if w_bits == 4 else np.full(3, -100)
+    scales = np.array([round_scaled(255, e, BFLOAT16) for e in exponents])[None, :].repeat(n, 0)
     case = LinearCase(x, FLOAT32, q, pack_weights(q, w_bits), scales, act_bits, FLOAT32, w_bits)
     expected = np.asarray(run(case, "reference"))
     assert (expected & 0x7FFFFFFF).min() > 0  # nothing cancelled to zero
     check_bits(case, "amx", run(case, "amx"), expected)
+
+
+def test_32_bit_activations_are_refused_with_the_reason():
+    """Four limbs would need 8 dot tiles of the 8: the VNNI kernel takes them."""
+    layer = ExactLinear.from_weight(torch.randn(16, 64), act_bits=32, kernel="amx")
+    with pytest.raises(KernelUnavailableError, match="needs 4 int8 limbs, it carries at most 2"):
+        layer(torch.randn(2, 64))

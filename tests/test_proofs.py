@@ -101,14 +101,27 @@ def test_an_unshifted_chain_past_its_bound_is_refuted(monkeypatch):
     assert prove(ob.span_unshifted(16, dataflow.DOT_ACC_BITS)).verdict == "refuted"
 
 
-def test_an_amx_tile_summing_past_int32_is_refuted(monkeypatch):
-    """A tile zeroed per group sums 32 products an element; one that summed 4 * 16449 (biased
-    u8 x int8, 4 * 255 * 128 a step) would pass 2**31 - 1, and the proof says so."""
-    assert prove(ob.amx_tile_dot(8, dataflow.DOT_ACC_BITS)).verdict == "proved"
-    monkeypatch.setattr(dataflow, "AMX_TILE_K", 4 * 16448)
-    assert prove(ob.amx_tile_dot(8, dataflow.DOT_ACC_BITS)).verdict == "proved"
-    monkeypatch.setattr(dataflow, "AMX_TILE_K", 4 * 16449)
-    assert prove(ob.amx_tile_dot(8, dataflow.DOT_ACC_BITS)).verdict == "refuted"
+def test_an_amx_span_summing_past_int32_is_refuted(monkeypatch):
+    """A span's tile dots sum at most 1024 groups of u8 x u8 products (255 * 255 each); 1032
+    would stay under 2**31, 1033 would pass it, and the proof says so."""
+    assert prove(ob.amx_span_dot(dataflow.DOT_ACC_BITS)).verdict == "proved"
+    monkeypatch.setattr(dataflow, "AMX_SPAN_GROUPS", 1032)
+    assert prove(ob.amx_span_dot(dataflow.DOT_ACC_BITS)).verdict == "proved"
+    monkeypatch.setattr(dataflow, "AMX_SPAN_GROUPS", 1033)
+    assert prove(ob.amx_span_dot(dataflow.DOT_ACC_BITS)).verdict == "refuted"
+
+
+def test_an_amx_fold_past_s16_and_a_combine_past_int64_are_refuted(monkeypatch):
+    """Folded weights one past span_fold_limit leave s16 (q = -8, f = 4096: 32768); a K at which
+    (Qa + B) * sum |q * c| passes 2**63 - 1 is refuted, not proved, and the kernel refuses it
+    (dataflow.amx_holds)."""
+    limit = dataflow.span_fold_limit(4)
+    monkeypatch.setattr(dataflow, "span_fold_limit", lambda w_bits=4: limit + 1)
+    assert prove(ob.amx_span_digits(4)).verdict == "refuted"
+    monkeypatch.undo()
+    k = 2**25  # (32767 + 32768) * 2**25 * 8 * 255 << 12 > 2**63
+    assert not dataflow.amx_holds(k, 4, 16, 12) and dataflow.amx_holds(k // 2, 4, 16, 12)
+    assert prove(ob.amx_span_combine(4, 16, k, 12)).verdict == "refuted"
 
 
 def test_rounding_proof_refutes_a_planted_rounding_bug():

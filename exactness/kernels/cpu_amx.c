@@ -1,20 +1,29 @@
-// exact_linear_vnni's dataflow with its dots on AMX tiles (Intel Xeon, Sapphire Rapids on). amx.py
-// appends this file to cpu_vnni.c, so the quantization, the combine (add_group), the weight
-// layout (NativeWeights) and the one rounding (finish) are that file's; only the dots differ.
+// The AMX kernel (Intel Xeon, Sapphire Rapids on): an int8 GEMM on tiles with the scales folded
+// into the weights, summed over spans of groups. amx.py appends this file to cpu_vnni.c, so the
+// quantization (row_exponents, quantize_limbs: biased u8 limbs), the weight layout
+// (NativeWeights) and the one rounding (finish) are that file's.
 //
-// Per block of 16 weight rows and up to 16 activation rows, per group of 32 k, each limb l:
-//     C_l[m][n] = sum_k (limb_l[m][k] + 128) * q[n][k]      (tdpbusd, u8 x s8 -> s32)
-// in a tile zeroed per group, since every group has a scale of its own. That is vpdpbusd's biased
-// dot D'_l, in the same int32 (proofs: amx-tile-dot, and vnni-dot for the lanes it sums). The
-// tiles are stored and each row combined as exact_linear_vnni combines its registers: the
-// correction added to the corrected limb, then add_group (proofs: vnni-recombine,
-// vnni-four-limbs). Up to two limbs, two groups go at once (tiles 0, 1 and 2, 3), so the tile
-// unit has two independent dots in flight; an odd group count leaves one group, the K tail.
+// Per block of 16 weight rows, a span of consecutive groups shares, per row n, one base b_n: every
+// factor c = ms << shift of the row's groups in the span is a multiple of 2**b_n, and
+// f = c >> b_n fits |q * f| <= 32767 (amx.amx_spans picks the spans greedily; one group always
+// fits). The folded weights wf = q * f are split into two digits, wf = 256 * hi + lo, lo in
+// [0, 255] (u8), hi in [-128, 127] (s8) (proofs: amx-span-digits). With the activations' L biased
+// limbs u_i = a_i + 128 (qa = sum_i 256**i u_i - B, B = 2**(8 L - 1)):
+//     D_ij = sum_{k in span} u_i[k] * digit_j[k]       (tdpbuud for lo, tdpbusd for hi)
+// in int32 tiles, never wrapping: at most AMX_SPAN_GROUPS groups a span (proofs: amx-span-dot);
+// at the span's end, in int64, E = sum_ij D_ij << 8 (i + j) = sum_{k in span} (qa + B) * wf and
+// T += E << b_n; T starts at -B * R, R = sum_k q * c per row (proofs: amx-span-combine). So the
+// int64 combine runs once a span, not once a group, and the tiles do all the dots: 2 L of them per
+// 64 k, at the full K of a tile.
 //
-// Tiles: A (activations, a limb's rows x 32 bytes, K bytes apart in its plane) 4 and 7; B (the
-// block's weights for one group: 8 rows of 64 bytes, the 16 lanes' 4 k each, LANE_ROWS order,
-// as vpdpbusd reads them) 5 and 6; C (dots, rows x 16 int32) 0..3. Weights in the nibble layout
-// are unpacked per block into a scratch of bytes first (unpack_pair).
+// The expansion: per block, the weights times their f into the two digit planes (B tiles: per 64-k
+// step 16 rows of 64 bytes, row r the 4-k step r of 16 lanes x 4 k, in cpu_vnni.c's LANE_ROWS
+// order). A 64-k step holds two groups; where a span ends after the first, the step is taken twice,
+// each time with the other group's weights zero. The limb planes are read 64 bytes a row from the
+// step's first k: with an odd group count the last step reads 32 bytes past a row, whose weights
+// are zero (the planes have 64 bytes of slack after them: amx_plane_bytes).
+// Tiles: C 0..3 (limb i, digit j at 2 i + j: rows x 16 int32), A 4, 5 (limb i: rows x 64 bytes),
+// B 6 (lo), 7 (hi) (16 x 64 bytes).
 #ifndef AMX_EMULATED
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -28,7 +37,9 @@ int amx_request(void) {
 int64_t amx_faults(void) { return 0; }  // the hardware faults for itself
 #endif
 
-#define AMX_ROWS 16  // activation rows per tile: all a tile holds
+#define AMX_ROWS 16          // activation rows per tile: all a tile holds
+#define AMX_STEP_K 64        // k per tile step: a row of an A tile, 16 rows of B
+#define AMX_SPAN_GROUPS 1024 // the most groups a span sums in int32 (dataflow.AMX_SPAN_GROUPS)
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -36,143 +47,240 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-// ldtilecfg for tiles of `rows` activation rows (C and A), B always 8 rows of 64 bytes
+// ldtilecfg through an asm whose memory operand is the whole 64-byte config, so the compiler keeps
+// every store to it, whatever the compiler and its flags. Not _tile_loadconfig: GCC 12's asm names
+// only the config's first 8 bytes as read, so at -O3 the stores of colsb and rows were dropped,
+// every tile had 0 rows and the first tileloadd raised #UD (issue 39). The emulation reads the
+// bytes through this same operand (amx_emulated.h's LDTILECFG).
+#ifndef LDTILECFG
+#define LDTILECFG(config) __asm__ volatile("ldtilecfg %0" : : "m"(config))
+#endif
+
+// ldtilecfg for tiles of `rows` activation rows (C and A); B always 16 rows of 64 bytes
 static void configure_tiles(int rows) {
     TileConfig cfg;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
-    for (int t = 0; t < 4; t++) {
+    for (int t = 0; t < 6; t++) {  // C 0..3, A 4, 5: a row of 16 int32 or of 64 bytes
         cfg.rows[t] = (uint8_t)rows;
         cfg.colsb[t] = 64;
     }
-    cfg.rows[4] = cfg.rows[7] = (uint8_t)rows;
-    cfg.colsb[4] = cfg.colsb[7] = 32;
-    cfg.rows[5] = cfg.rows[6] = 8;
-    cfg.colsb[5] = cfg.colsb[6] = 64;
-    _tile_loadconfig(&cfg);
+    cfg.rows[6] = cfg.rows[7] = AMX_STEP_K / 4;
+    cfg.colsb[6] = cfg.colsb[7] = 64;
+    LDTILECFG(cfg);
 }
 
-// the block's nibble-layout weights as bytes, [K/4][16][4] (the byte layout exact_linear_vnni
-// reads): one B tile per 512 bytes
-static void unpack_block(const uint8_t *wb, uint8_t *bytes, int64_t K) {
-    for (int64_t s = 0; s < K / 8; s++) {  // byte vector s holds 4-k steps 2 s and 2 s + 1
-        __m512i low, high;
-        unpack_pair(_mm512_loadu_si512(wb + s * 64), &low, &high);
-        _mm512_storeu_si512(bytes + 2 * s * 64, low);
-        _mm512_storeu_si512(bytes + (2 * s + 1) * 64, high);
+// What the AMX kernel reads of a layer (amx.AmxLayer): cpu_vnni.c's weights w (NativeWeights) and
+// the spans (amx.amx_spans): f [Np/16][G][16] int16 in lane order; base [Np/16][G][16] int8 in row
+// order (its span's b_n, read at span ends); ends [Np/16][G] uint8, 1 where a span ends; rsum [Np]
+// int64 R = sum_k q * c in row order; emin [Np] for the rounding.
+typedef struct {
+    const uint8_t *w;
+    const int16_t *f;
+    const int8_t *base;
+    const uint8_t *ends;
+    const int64_t *rsum, *emin;
+    int64_t K, Np, N;
+    int32_t nibbles;
+} AmxLayer;
+
+// One 4-k step of 16 lanes (q: 64 s8, lane-major) times its lanes' f (fa: lanes 0..7, fb: 8..15,
+// each f four times) into its lo and hi digit rows. |q * f| <= 32767: vpmullw is exact.
+ALWAYS_INLINE void fold_step(__m512i q, __m512i fa, __m512i fb, uint8_t *lo, uint8_t *hi) {
+    const __m512i wa = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm512_castsi512_si256(q)), fa);
+    const __m512i wb = _mm512_mullo_epi16(_mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(q, 1)),
+                                          fb);
+    _mm256_storeu_si256((__m256i *)lo, _mm512_cvtepi16_epi8(wa));  // the low bytes: lo as u8
+    _mm256_storeu_si256((__m256i *)(lo + 32), _mm512_cvtepi16_epi8(wb));
+    _mm256_storeu_si256((__m256i *)hi, _mm512_cvtepi16_epi8(_mm512_srai_epi16(wa, 8)));
+    _mm256_storeu_si256((__m256i *)(hi + 32), _mm512_cvtepi16_epi8(_mm512_srai_epi16(wb, 8)));
+}
+
+// Group g of block wb folded into 8 rows of each digit plane (lo, hi), or zeros where g < 0.
+static void fold_group(const uint8_t *wb, const int16_t *f, int64_t g, int nibbles, uint8_t *lo,
+                       uint8_t *hi) {
+    if (g < 0) {
+        memset(lo, 0, 8 * 64);
+        memset(hi, 0, 8 * 64);
+        return;
+    }
+    const __m512i lanes = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(f + g * 16)));
+    static const int16_t lane_of[32] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3,
+                                        4, 4, 4, 4, 5, 5, 5, 5, 6, 6, 6, 6, 7, 7, 7, 7};
+    const __m512i quad = _mm512_loadu_si512(lane_of);  // byte 4 l + t of a row: lane l
+    const __m512i fa = _mm512_permutexvar_epi16(quad, lanes);
+    const __m512i fb = _mm512_permutexvar_epi16(_mm512_add_epi16(quad, _mm512_set1_epi16(8)),
+                                                lanes);
+    for (int j = 0; j < 8; j += 2) {  // 4-k steps 8 g + j and 8 g + j + 1
+        __m512i q0, q1;
+        if (nibbles) {
+            unpack_pair(_mm512_loadu_si512(wb + (g * 4 + j / 2) * 64), &q0, &q1);
+        } else {
+            q0 = _mm512_loadu_si512(wb + (g * 8 + j) * 64);
+            q1 = _mm512_loadu_si512(wb + (g * 8 + j + 1) * 64);
+        }
+        fold_step(q0, fa, fb, lo + j * 64, hi + j * 64);
+        fold_step(q1, fa, fb, lo + (j + 1) * 64, hi + (j + 1) * 64);
     }
 }
 
-// the stored dots of one group (dots[l][m], row m of limb l) added to the tile's T rows
-static void combine_dots(int32_t (*dots)[AMX_ROWS][16], const int32_t *wsum_g,
-                         const int32_t *c_g, int limbs, int rows, __m512i *even, __m512i *odd) {
-    const __m512i start = correction(_mm512_loadu_si512(wsum_g), limbs);
-    const __m512i c_even = _mm512_cvtepi32_epi64(_mm256_loadu_si256((const __m256i *)c_g));
-    const __m512i c_odd = _mm512_cvtepi32_epi64(_mm256_loadu_si256((const __m256i *)c_g + 1));
-    const int corrected = corrected_limb(limbs);
+// Block wb's steps folded into the digit planes lo, hi (1024 bytes a step each): step s reads the
+// activations from k = AMX_STEP_K * from[s], and end[s] is the group whose span ends with it (-1:
+// none). Returns the number of steps (at most G).
+static int64_t fold_block(const AmxLayer *L, int64_t b, uint8_t *lo, uint8_t *hi, int32_t *from,
+                          int32_t *end) {
+    const int64_t G = L->K / 32;
+    const uint8_t *wb = L->w + b * L->K * (L->nibbles ? 8 : 16);
+    const int16_t *f = L->f + b * G * 16;
+    const uint8_t *ends = L->ends + b * G;
+    int64_t s = 0;
+    for (int64_t g = 0; g < G; g += 2, s++) {
+        const int pair = g + 1 < G && !ends[g];  // both groups in one span: one step
+        fold_group(wb, f, g, L->nibbles, lo + s * 1024, hi + s * 1024);
+        fold_group(wb, f, pair ? g + 1 : -1, L->nibbles, lo + s * 1024 + 512,
+                   hi + s * 1024 + 512);
+        from[s] = (int32_t)(g / 2);
+        end[s] = (int32_t)(pair ? (ends[g + 1] ? g + 1 : -1) : g);
+        if (!pair && g + 1 < G) {  // the span ended with group g: g + 1 again, g zero
+            s++;
+            fold_group(wb, f, -1, L->nibbles, lo + s * 1024, hi + s * 1024);
+            fold_group(wb, f, g + 1, L->nibbles, lo + s * 1024 + 512, hi + s * 1024 + 512);
+            from[s] = (int32_t)(g / 2);
+            end[s] = (int32_t)(ends[g + 1] ? g + 1 : -1);
+        }
+    }
+    return s;
+}
+
+// One span's stored dots (dots[2 i + j][m]: limb i, digit j, row m, 16 int32 lanes) into the rows'
+// T: E = sum_ij D_ij << 8 (i + j) in int64, then T += E << b_n (base: the span's b_n, row order).
+// Lane 2 r of a dot row is weight row r and lane 2 r + 1 row 8 + r (LANE_ROWS): t[m] holds rows
+// 0..7, then 8..15.
+static void add_span(int32_t (*dots)[AMX_ROWS][16], const int8_t *base, int limbs, int rows,
+                     int64_t (*t)[16]) {
+    const __m512i b_even = _mm512_cvtepi8_epi64(_mm_loadl_epi64((const __m128i *)base));
+    const __m512i b_odd = _mm512_cvtepi8_epi64(_mm_loadl_epi64((const __m128i *)(base + 8)));
     for (int m = 0; m < rows; m++) {
-        __m512i d[4];
-        for (int l = 0; l < 4; l++) {
-            d[l] = l < limbs ? _mm512_loadu_si512(dots[l][m]) : _mm512_setzero_si512();
+        __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+        for (int i = 0; i < limbs; i++) {
+            for (int j = 0; j < 2; j++) {
+                const __m512i d = _mm512_loadu_si512(dots[2 * i + j][m]);
+                const int shift = 8 * (i + j);
+                even = _mm512_add_epi64(
+                    even, _mm512_slli_epi64(_mm512_srai_epi64(_mm512_slli_epi64(d, 32), 32),
+                                            shift));
+                odd = _mm512_add_epi64(odd, _mm512_slli_epi64(_mm512_srai_epi64(d, 32), shift));
+            }
         }
-        d[corrected] = _mm512_add_epi32(d[corrected], start);
-        add_group(d, limbs, c_even, c_odd, &even[m], &odd[m]);
+        _mm512_storeu_si512(t[m], _mm512_add_epi64(_mm512_loadu_si512(t[m]),
+                                                   _mm512_sllv_epi64(even, b_even)));
+        _mm512_storeu_si512(t[m] + 8, _mm512_add_epi64(_mm512_loadu_si512(t[m] + 8),
+                                                       _mm512_sllv_epi64(odd, b_odd)));
     }
 }
 
-// limb L's dot of group g (activations at a, weights at wb) into tile C through tiles A and B
-#define LIMB_DOT(C, A, B, L, g)                                        \
-    do {                                                               \
-        _tile_zero(C);                                                 \
-        _tile_loadd(A, a + (L) * plane + (g) * 32, K);                 \
-        _tile_dpbusd(C, A, B);                                         \
-    } while (0)
-
-// T for `rows` activation rows from row pointer a (limb l at a + l * plane, rows K bytes apart)
-// against the block's byte-layout weights wb, whose first column is n0
-static void amx_tile(const uint8_t *a, int64_t plane, const uint8_t *wb, const int32_t *wsum,
-                     const int32_t *c, Out o, int64_t n0, int64_t K, int64_t Np, int rows,
-                     int limbs) {
+// T for `rows` activation rows from row pointer a (limb i at a + i * plane, rows K bytes apart)
+// against block b's folded steps, rounded or stored by finish.
+static void amx_tile(const AmxLayer *L, int64_t b, const uint8_t *a, int64_t plane,
+                     const uint8_t *lo, const uint8_t *hi, const int32_t *from,
+                     const int32_t *end, int64_t steps, int limbs, int rows, Out o) {
     int32_t dots[4][AMX_ROWS][16] __attribute__((aligned(64)));
-    __m512i even[AMX_ROWS], odd[AMX_ROWS];
-    for (int m = 0; m < rows; m++) even[m] = odd[m] = _mm512_setzero_si512();
-    const int64_t groups = K / 32;
-    int64_t g = 0;
-    if (limbs <= 2) {
-        for (; g + 1 < groups; g += 2) {  // two groups at once: tiles 0, 1 and 2, 3
-            _tile_loadd(5, wb + g * 512, 64);
-            _tile_loadd(6, wb + (g + 1) * 512, 64);
-            LIMB_DOT(0, 4, 5, 0, g);
-            LIMB_DOT(2, 7, 6, 0, g + 1);
-            if (limbs == 2) {
-                LIMB_DOT(1, 4, 5, 1, g);
-                LIMB_DOT(3, 7, 6, 1, g + 1);
-            }
-            _tile_stored(0, dots[0], 64);
-            _tile_stored(2, dots[2], 64);
-            if (limbs == 2) {
-                _tile_stored(1, dots[1], 64);
-                _tile_stored(3, dots[3], 64);
-            }
-            combine_dots(dots, wsum + g * Np, c + g * Np, limbs, rows, even, odd);
-            combine_dots(dots + 2, wsum + (g + 1) * Np, c + (g + 1) * Np, limbs, rows, even,
-                         odd);
-        }
+    int64_t t[AMX_ROWS][16] __attribute__((aligned(64)));
+    const int64_t K = L->K, G = K / 32;
+    // T starts at -B * R: B = 2**(8 L - 1), the limbs' bias
+    const __m512i r_even = _mm512_slli_epi64(_mm512_loadu_si512(L->rsum + b * 16), 8 * limbs - 1);
+    const __m512i r_odd = _mm512_slli_epi64(_mm512_loadu_si512(L->rsum + b * 16 + 8),
+                                            8 * limbs - 1);
+    for (int m = 0; m < rows; m++) {
+        _mm512_storeu_si512(t[m], _mm512_sub_epi64(_mm512_setzero_si512(), r_even));
+        _mm512_storeu_si512(t[m] + 8, _mm512_sub_epi64(_mm512_setzero_si512(), r_odd));
     }
-    for (; g < groups; g++) {  // four limbs: a group at a time; else the K tail
-        _tile_loadd(5, wb + g * 512, 64);
-        LIMB_DOT(0, 4, 5, 0, g);
-        _tile_stored(0, dots[0], 64);
-        if (limbs >= 2) {
-            LIMB_DOT(1, 4, 5, 1, g);
-            _tile_stored(1, dots[1], 64);
+    for (int64_t s = 0; s < steps;) {
+        _tile_zero(0);
+        _tile_zero(1);
+        if (limbs == 2) {
+            _tile_zero(2);
+            _tile_zero(3);
         }
-        if (limbs == 4) {
-            LIMB_DOT(2, 4, 5, 2, g);
-            LIMB_DOT(3, 4, 5, 3, g);
+        do {  // the span's steps
+            const uint8_t *at = a + (int64_t)from[s] * AMX_STEP_K;
+            _tile_loadd(6, lo + s * 1024, 64);
+            _tile_loadd(7, hi + s * 1024, 64);
+            _tile_loadd(4, at, K);
+            _tile_dpbuud(0, 4, 6);
+            _tile_dpbusd(1, 4, 7);
+            if (limbs == 2) {
+                _tile_loadd(5, at + plane, K);
+                _tile_dpbuud(2, 5, 6);
+                _tile_dpbusd(3, 5, 7);
+            }
+        } while (end[s++] < 0);
+        _tile_stored(0, dots[0], 64);  // tile numbers are immediates: no loop
+        _tile_stored(1, dots[1], 64);
+        if (limbs == 2) {
             _tile_stored(2, dots[2], 64);
             _tile_stored(3, dots[3], 64);
         }
-        combine_dots(dots, wsum + g * Np, c + g * Np, limbs, rows, even, odd);
+        add_span(dots, L->base + (b * G + end[s - 1]) * 16, limbs, rows, t);
     }
-    for (int m = 0; m < rows; m++) finish(o, m, n0, Np, even[m], odd[m]);
+    for (int m = 0; m < rows; m++) {
+        finish(o, m, b * 16, L->Np, _mm512_loadu_si512(t[m]), _mm512_loadu_si512(t[m] + 8));
+    }
 }
 
-// exact_linear_vnni's contract, on AMX tiles: T [M, Np] into t, or (y not NULL) the rounded
-// output y [M, N], from the `limbs` limbs [L][M][K] of the activations. Returns 0, or -1 where a
-// thread could not allocate its scratch (nothing written then is to be read).
-int64_t exact_linear_amx(const uint8_t *limb_planes, const uint8_t *w, const int32_t *wsum,
-                         const int32_t *c, int64_t *t, int64_t M, int64_t K, int64_t Np,
-                         int limbs, int nibbles, void *y, const int64_t *e_r,
-                         const int64_t *emin, int64_t N, int mant, int expo) {
-    const int64_t plane = M * K;
+// The bytes of the limb planes amx_tiles reads: L planes [M][K], then 64 bytes of slack.
+int64_t amx_plane_bytes(int64_t M, int64_t K, int limbs) { return limbs * M * K + 64; }
+
+// T [M, Np] into t, or (y not NULL) the rounded output y [M, N], from the `limbs` (1 or 2) biased
+// limb planes [L][M][K] (amx_plane_bytes long). Returns 0, or -1 where a thread could not allocate
+// its digit planes (nothing written then is to be read).
+int64_t amx_tiles(const AmxLayer *L, const uint8_t *limb_planes, int64_t M, int limbs,
+                  int64_t *t, void *y, const int64_t *e_r, int mant, int expo) {
+    const int64_t K = L->K, Np = L->Np, G = K / 32, plane = M * K;
     int64_t failed = 0;
 #pragma omp parallel reduction(+ : failed)
     {
-        uint8_t *bytes = nibbles ? aligned_alloc(64, K * 16) : NULL;
+        uint8_t *lo = aligned_alloc(64, G * 2048), *hi = lo ? lo + G * 1024 : NULL;
+        int32_t *from = malloc(G * 2 * sizeof(int32_t)), *end = from ? from + G : NULL;
         int configured = 0;  // the rows the tiles are configured for (0: not yet)
-        if (nibbles && !bytes) failed++;
+        if (!lo || !from) failed++;
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < Np / 16; b++) {
-            if (nibbles && !bytes) continue;
-            const uint8_t *wb = w + b * K * (nibbles ? 8 : 16);
-            if (nibbles) {
-                unpack_block(wb, bytes, K);
-                wb = bytes;
-            }
+            if (!lo || !from) continue;
+            const int64_t steps = fold_block(L, b, lo, hi, from, end);
             for (int64_t r = 0; r < M; r += AMX_ROWS) {
                 const int rows = (int)(M - r < AMX_ROWS ? M - r : AMX_ROWS);
                 if (rows != configured) {
                     configure_tiles(rows);
                     configured = rows;
                 }
-                const Out o = tile_out(t, y, e_r, emin, r, N, N, Np, mant, expo);
-                amx_tile(limb_planes + r * K, plane, wb, wsum + b * 16, c + b * 16, o, b * 16, K,
-                         Np, rows, limbs);
+                const Out o = tile_out(t, y, e_r, L->emin, r, L->N, L->N, Np, mant, expo);
+                amx_tile(L, b, limb_planes + r * K, plane, lo, hi, from, end, steps, limbs, rows,
+                         o);
             }
         }
         if (configured) _tile_release();
-        free(bytes);
+        free(lo);
+        free(from);
     }
     return failed ? -1 : 0;
+}
+
+// The whole forward in one call: x [M, K] (format 0 bf16, 1 fp16, 2 fp32, of mant_x and expo_x
+// bits) quantized into `limbs` biased limb planes, then amx_tiles, rounded once into y (mant,
+// expo). Returns how many rows of x hold a non-finite value (y unwritten then), or -1 when memory
+// could not be allocated.
+int64_t exact_linear_amx(const AmxLayer *L, const void *x, int format, int mant_x, int expo_x,
+                         int64_t qmax, int limbs, int64_t M, void *y, int mant, int expo) {
+    const int64_t K = L->K;
+    uint8_t *planes = aligned_alloc(64, (amx_plane_bytes(M, K, limbs) + 63) / 64 * 64);
+    int64_t *e_r = malloc(M * sizeof(int64_t));
+    int64_t bad = planes && e_r ? row_exponents(x, mant_x, expo_x, qmax, M, K, e_r) : -1;
+    if (bad == 0) {
+        quantize_limbs(x, format, M, K, e_r, planes, limbs);
+        bad = amx_tiles(L, planes, M, limbs, NULL, y, e_r, mant, expo);
+    }
+    free(planes);
+    free(e_r);
+    return bad;
 }

@@ -41,6 +41,7 @@ from ..contract import (
 )
 from ..formats import check_finite, float_bits, torch_dtype
 from ..quantize import quantize_activations
+from . import first_run
 from .registry import Fit, Weights, int8_limbs_hold, no, refuse_unheld, yes
 
 SOURCE = Path(__file__).with_name("cpu_vnni.c")
@@ -59,11 +60,19 @@ LANE_ROWS = [row for i in range(8) for row in (i, 8 + i)]
 
 @functools.cache
 def _cpu_flags() -> frozenset[str] | None:
-    """The CPU's feature flags as /proc/cpuinfo lists them, read once (None: unreadable)."""
+    """The CPU's feature flags, its first `flags` line in /proc/cpuinfo, read once (None:
+    unreadable)."""
     try:
-        return frozenset(Path("/proc/cpuinfo").read_text().split())
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
         return None
+    flags = next((line.partition(":")[2] for line in lines if line.startswith("flags")), "")
+    return frozenset(flags.split())
+
+
+def machine() -> str:
+    """The CPU's flags, sorted: what a first run's cached verdict holds for (first_run.run)."""
+    return " ".join(sorted(_cpu_flags() or ()))
 
 
 def cpu_lacks(needs) -> list[str]:
@@ -112,10 +121,37 @@ def status() -> tuple[ctypes.CDLL | None, Fit]:
     lib, why = build(SOURCE.read_text())
     if lib is None:
         return None, why
-    verdict = _self_check(lib)
+    verdict = judged(lib).verdict
     if verdict and emulated():
         verdict = yes("emulated AVX-512 (EXACTNESS_NATIVE=emulate): for verification, not speed")
     return (lib if verdict else None), verdict
+
+
+def judged(lib, check: str = "exactness.kernels.native:check_file",
+           build: str | None = None) -> first_run.FirstRun:
+    """The library's first run, its self-check (`check`, run on its file), in a child process:
+    the verdict, or why the child gave none (first_run.py). The library runs here only after."""
+    build = build or f"the C kernel ({MODES[mode()]})"
+    return first_run.run(lib.exactness_file, lib.exactness_digest, check, build, machine())
+
+
+def check_file(file: Path, digest: str) -> Fit:
+    """In first_run's child: the library at `file` loaded (its bytes must match `digest`) and
+    self-checked (_self_check)."""
+    lib, why = load_file(file, digest)
+    return _self_check(lib) if lib is not None else why
+
+
+def load_file(file: Path, digest: str) -> tuple[ctypes.CDLL | None, Fit]:
+    """The compiled library at `file`, loaded if its bytes match `digest` (a child's view of a
+    build; build() binds it the same way)."""
+    try:
+        data = file.read_bytes()
+    except OSError as e:
+        return None, no(f"the compiled library cannot be read: {e}")
+    if hashlib.sha256(data).hexdigest() != digest:
+        return None, no(f"{file.name} changed after its build (its digest differs)")
+    return _load(data, file.parent)
 
 
 def library():
@@ -135,10 +171,14 @@ class FallbackWarning(UserWarning):
 
 
 def load(source: str, check: bool = True):
-    """`source` compiled (cached by its hash) and loaded; None if it does not compile or, with
-    `check`, fails the self-check. (check=False is for planted bugs: exactness.suite.mutants.)"""
+    """`source` compiled (cached by its hash) and loaded; None if it does not compile, if its
+    first run dies in a child process or, with `check`, if it fails the self-check there.
+    (check=False is for planted bugs: exactness.suite.mutants.)"""
     lib, _ = build(source)
-    return lib if lib is not None and (not check or _self_check(lib)) else None
+    if lib is None:
+        return None
+    first = judged(lib)
+    return None if first.died or (check and not first.verdict) else lib
 
 
 def build(source: str, extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, Fit]:
@@ -161,14 +201,17 @@ def build(source: str, extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL |
     try:
         with _locked(so.with_suffix(".lock")):
             data = _verified(so)
+            lib = None
             if data is not None:
                 lib, why = _load(data, cache)
-                if lib is not None:
-                    return lib, why
-            data, why = _compile(source, so, flags)  # none cached, a mismatch, or it does not load
-            return _load(data, cache) if data is not None else (None, why)
+            if lib is None:  # none cached, a mismatch, or it does not load
+                data, why = _compile(source, so, flags)
+                lib, why = _load(data, cache) if data is not None else (None, why)
     except OSError as e:  # the lock file or the private copy: the cache cannot be written
         return None, no(f"no writable cache ({cache}): {e}")
+    if lib is not None:  # what first_run's child loads: this file, these bytes
+        lib.exactness_file, lib.exactness_digest = so, hashlib.sha256(data).hexdigest()
+    return lib, why
 
 
 def as_compiled(source: str) -> tuple[str | None, list[str], Fit]:
@@ -184,9 +227,14 @@ def as_compiled(source: str) -> tuple[str | None, list[str], Fit]:
             [*EMULATED_FLAGS, f"-I{simde_py.get_include()}"], yes("emulated AVX-512"))
 
 
+def compiler() -> str:
+    """The C compiler: $CC, else cc."""
+    return os.environ.get("CC", "cc")
+
+
 def cache_key(source: str, flags: list[str]) -> str:
-    """The cached library's name: the hash of what was compiled, and how."""
-    return hashlib.sha256((source + " ".join(flags)).encode()).hexdigest()[:16]
+    """The cached library's name: the hash of what was compiled, and how (by which compiler)."""
+    return hashlib.sha256((source + " ".join([compiler(), *flags])).encode()).hexdigest()[:16]
 
 
 def cache_dir() -> tuple[Path | None, Fit]:
@@ -243,22 +291,22 @@ def _compile(source: str, so: Path, flags: list[str]) -> tuple[bytes | None, Fit
     """`source` compiled in a fresh private directory (mkdtemp: no name to plant a link at), then
     renamed to `so` and its digest beside it (renames are atomic; a crash between them leaves a
     mismatch, so a rebuild); the library's bytes, or None and why."""
-    compiler = os.environ.get("CC", "cc")
+    cc = compiler()
     try:
         with tempfile.TemporaryDirectory(dir=so.parent) as work:
             src, out, digest = (Path(work, name) for name in ("cpu_vnni.c", "lib.so", "sha256"))
             src.write_text(source)
-            subprocess.run([compiler, *flags, str(src), "-o", str(out)],
+            subprocess.run([cc, *flags, str(src), "-o", str(out)],
                            check=True, capture_output=True, timeout=120)
             data = out.read_bytes()
             digest.write_text(hashlib.sha256(data).hexdigest())
             os.replace(out, so)
             os.replace(digest, _digest_of(so))
     except subprocess.CalledProcessError as e:
-        return None, no(f"{compiler} failed on cpu_vnni.c: "
+        return None, no(f"{cc} failed on cpu_vnni.c: "
                         f"{e.stderr.decode(errors='replace').strip()[-300:]}")
     except (OSError, subprocess.SubprocessError) as e:
-        return None, no(f"no C compiler or no writable cache ({compiler}, {so.parent}): {e}")
+        return None, no(f"no C compiler or no writable cache ({cc}, {so.parent}): {e}")
     return data, yes("compiled")
 
 
@@ -345,8 +393,18 @@ class NativeWeights:
 
     @property
     def nbytes(self) -> int:
-        built = (*self.__dict__.get("spans", ()), *self._emin[1:])  # counted once built
+        built = (*self.__dict__.get("spans", ()), *self._emin[1:],  # counted once built
+                 *(t for d in self._derived.values() for t in d.tensors))
         return sum(t.numel() * t.element_size() for t in (self.w, self.wsum, self.c, *built))
+
+    def derived(self, name: str, build):
+        """What another kernel of this layout derives from these weights (the AMX kernel's
+        spans): build(self) on first use, kept here, counted in nbytes (its `tensors`)."""
+        if name not in self._derived:
+            self._derived = {**self._derived, name: build(self)}
+        return self._derived[name]
+
+    _derived: dict = {}  # by name: what derived() built (replaced, never mutated in place)
 
     _emin: tuple = ()  # (the certificate's emin, padded to np): what self._layer points to
     _layer: Layer | None = None
@@ -460,11 +518,9 @@ def quantize(x: torch.Tensor, act_bits: int, lib=None, words: bool = False):
 
 
 def accumulate(a: torch.Tensor, act_bits: int, weights: NativeWeights, lib=None,
-               rounding: tuple | None = None, spans: bool = False,
-               amx: bool = False) -> torch.Tensor:
+               rounding: tuple | None = None, spans: bool = False) -> torch.Tensor:
     """T [M, Np] int64 (padded columns are 0) from the biased limbs a [L, M, K] (or, with
-    `spans`, from quantize's words [M, K] through exact_linear_spans; with `amx`, from the limbs
-    through exact_linear_amx, where `lib` is amx.py's library); or, with `rounding` =
+    `spans`, from quantize's words [M, K] through exact_linear_spans); or, with `rounding` =
     (e_r, emin, out_format), y [M, N] in out_format: T rounded in the kernel's registers, the
     same rounding as round_rows."""
     lib = lib or library()
@@ -490,11 +546,9 @@ def accumulate(a: torch.Tensor, act_bits: int, weights: NativeWeights, lib=None,
                                ends.data_ptr(), unshifted.data_ptr(), t_ptr, m, weights.k,
                                weights.np, *out)
     else:
-        kernel = lib.exact_linear_amx if amx else lib.exact_linear_vnni
-        if kernel(a.data_ptr(), weights.w.data_ptr(), weights.wsum.data_ptr(),
-                  weights.c.data_ptr(), t_ptr, m, weights.k, weights.np,
-                  dataflow.act_limbs(act_bits), int(weights.nibbles), *out):
-            raise MemoryError(f"no memory for the AMX kernel's unpacked weights (K = {weights.k})")
+        lib.exact_linear_vnni(a.data_ptr(), weights.w.data_ptr(), weights.wsum.data_ptr(),
+                              weights.c.data_ptr(), t_ptr, m, weights.k, weights.np,
+                              dataflow.act_limbs(act_bits), int(weights.nibbles), *out)
     return y if rounding else t
 
 

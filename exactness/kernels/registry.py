@@ -175,10 +175,11 @@ def plan(kernels, family: str, device: torch.device, rows: int, weights: Weights
     for kernel in kernels:
         if not kernel.auto or kernel.family != family:
             continue
+        if rows < kernel.min_rows:  # not asked whether it runs: no build where it is not wanted
+            passed.append((kernel.name, f"preferred from {kernel.min_rows} rows on, x has {rows}"))
+            continue
         fits = (kernel.available(device), kernel.eligible(rows, weights))
         bad = next((fit for fit in fits if not fit), None)
-        if bad is None and rows < kernel.min_rows:
-            bad = no(f"preferred from {kernel.min_rows} rows on, x has {rows}")
         if bad is None:
             return Plan(kernel, "; ".join(fit.why for fit in fits), slow, tuple(passed))
         passed.append((kernel.name, bad.why))

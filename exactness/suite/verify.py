@@ -73,7 +73,8 @@ class PytestSession:
         junit.unlink(missing_ok=True)
         env = dict(os.environ, HYPOTHESIS_PROFILE=profile, TRITON_INTERPRET="1",
                    EXACTNESS_FIRST_KILLER="1")
-        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
+        workers = os.environ.get("EXACTNESS_WORKERS", "2")  # the CI machine's 2 cores
+        cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", workers,
                f"--junitxml={junit}", *(f"--stage={stage}" for stage in stages),
                *([f"--shard={shard[0]}/{shard[1]}"] if shard else [])]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)

@@ -1,0 +1,47 @@
+"""C kernels planted with a fault that kills whatever process runs them (tests/test_first_run.py):
+each must be refused by name after its first run, in a child process, while the test survives."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from exactness.kernels.registry import Fit
+
+# the statement planted, and the signal it raises on x86-64 Linux
+CRASHES = {
+    "SIGILL": '__asm__ volatile("ud2");',  # an illegal instruction, as real AMX tiles on Zen 4
+    "SIGSEGV": "*(volatile int *)16 = 1;",  # a wild pointer
+    "SIGFPE": "{ volatile int n = 1, zero = 0; volatile int q = n / zero; (void)q; }",  # idiv
+}
+HANG = "for (volatile int forever = 1; forever;) {}"
+
+# cpu_vnni.c's entry points (native._load binds each): the quantization's first pass, the first
+# the self-check calls, holds the planted statement
+ENTRY_POINTS = ("exact_linear_vnni", "exact_linear_spans", "quantize_limbs", "round_rows",
+                "exact_grouped")
+
+
+def stub(statement: str) -> str:
+    """A library with the C kernel's entry points that runs `statement` when first called."""
+    stubs = "".join(f"void {name}(void) {{}}\n" for name in ENTRY_POINTS)
+    return f"#include <stdint.h>\n{stubs}int64_t row_exponents(void) {{ {statement} return 0; }}\n"
+
+
+def planted(source: str, function: str, statement: str) -> str:
+    """`source` with `statement` run first thing in the C function `function`."""
+    pattern = re.compile(rf"(\b{function}\([^)]*\)\s*\{{)")
+    result, count = pattern.subn(lambda m: f"{m[1]} {statement}", source, count=1)
+    if count != 1:
+        raise ValueError(f"no function {function} in the source")
+    return result
+
+
+def tiles_without_the_tile_state(file: Path, digest: str) -> Fit:
+    """In first_run's child: the real AMX library's self-check without asking Linux for the tile
+    state first. The first tile instruction faults (SIGILL): on a CPU without AMX, as on one whose
+    process was never granted the state."""
+    from exactness.kernels import amx, native
+
+    lib, why = native.load_file(file, digest)
+    return amx.self_check(amx.bind(lib)) if lib is not None else why

@@ -1,0 +1,144 @@
+"""No native kernel can kill the process (issue 39): a compiled C kernel's first run happens in a
+child process (kernels/first_run.py). Planted kernels that die there (an illegal instruction, a
+wild pointer, a division by zero, a hang) are refused by name: in the verdict, in `plan(x)` and
+in the one fallback warning. The test process survives, and the forward's bits stay exact."""
+
+import subprocess
+import warnings
+
+import pytest
+import torch
+
+from exactness import ExactLinear
+from exactness.kernels import KernelUnavailableError, amx, first_run, native
+from tests.crashing_kernels import CRASHES, HANG, planted, stub
+
+pytestmark = pytest.mark.stage("reliability")  # make verify's stage
+
+CACHES = (native.status, native.warn_fallback, amx.status, amx.warn_refused)
+
+
+@pytest.fixture
+def fresh(tmp_path):
+    """Every kernel judged again, and again after the test (a planted library's verdict stays in
+    the cache, under its own digest)."""
+    for cache in CACHES:
+        cache.cache_clear()
+    yield tmp_path
+    for cache in CACHES:
+        cache.cache_clear()
+
+
+def with_c_source(monkeypatch, tmp_path, text: str) -> None:
+    """native.SOURCE replaced by `text`, as if cpu_vnni.c said that."""
+    source = tmp_path / "cpu_vnni.c"
+    source.write_text(text)
+    monkeypatch.setattr(native, "SOURCE", source)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+@pytest.mark.parametrize("signal", sorted(CRASHES))
+def test_a_c_kernel_that_dies_on_its_first_run_is_refused_and_the_forward_stays_exact(
+        signal, fresh, monkeypatch):
+    with_c_source(monkeypatch, fresh, stub(CRASHES[signal]))
+    lib, why = native.status()
+    assert lib is None, why
+    assert f"died of {signal}" in why.why and "the C kernel" in why.why, why
+    w, x = torch.randn(40, 96), torch.randn(5, 96).bfloat16()
+    layer = ExactLinear.from_weight(w)
+    with pytest.warns(native.FallbackWarning, match=f"died of {signal}"):
+        y = layer(x)
+    plan = str(layer.plan(x))
+    assert f"not vnni-limbs: its first run, in a child process, died of {signal}" in plan, plan
+    assert same_bits(y, ExactLinear.from_weight(w, kernel="wide")(x))
+    with pytest.raises(KernelUnavailableError, match=f"died of {signal}"):
+        ExactLinear.from_weight(w, kernel="vnni-limbs")(x)
+
+
+def test_a_planted_library_that_dies_is_never_loaded_even_unchecked(fresh):
+    """native.load(check=False), the mutants' door, still refuses a library whose first run
+    died: only a failed self-check is let through there."""
+    assert native.load(stub(CRASHES["SIGSEGV"]), check=False) is None
+    assert native.load(stub(""), check=False) is not None  # runs, fails its check: let through
+    assert native.load(stub(""), check=True) is None
+
+
+def test_a_first_run_that_hangs_is_refused_and_not_cached(fresh, monkeypatch):
+    monkeypatch.setenv(first_run.SECONDS, "2")
+    lib, _ = native.build(stub(HANG))
+    outcome = native.judged(lib)
+    assert outcome.died and "did not end within 2 s" in outcome.verdict.why, outcome
+    assert "EXACTNESS_FIRST_RUN_SECONDS" in outcome.verdict.why
+    so = lib.exactness_file
+    assert not list(so.parent.glob(f"{so.name}.*.verdict"))  # a slow machine may pass later
+
+
+def test_the_verdict_is_cached_by_build_and_cpu_so_the_child_runs_once(fresh, monkeypatch):
+    lib, _ = native.build(stub(CRASHES["SIGILL"]))
+    first = native.judged(lib)
+    assert first.died and "SIGILL" in first.verdict.why
+
+    def no_child(*args, **kwargs):
+        raise AssertionError("a second child ran")
+
+    monkeypatch.setattr(subprocess, "run", no_child)
+    assert native.judged(lib) == first  # the same build on the same CPU: from the cache
+    monkeypatch.setattr(native, "machine", lambda: "another cpu")
+    with pytest.raises(AssertionError, match="a second child ran"):
+        native.judged(lib)  # another CPU's flags: judged afresh
+
+
+def test_a_bad_limit_is_a_typed_error(monkeypatch):
+    from exactness.contract import ContractValueError
+
+    for value in ("0", "-1", "soon"):
+        monkeypatch.setenv(first_run.SECONDS, value)
+        with pytest.raises(ContractValueError, match="EXACTNESS_FIRST_RUN_SECONDS must be"):
+            first_run.seconds()
+
+
+def emulated_tiles(monkeypatch) -> None:
+    monkeypatch.setenv("EXACTNESS_AMX", "emulate")
+    if native._missing_features():
+        monkeypatch.setenv("EXACTNESS_NATIVE", "emulate")
+
+
+def test_an_amx_kernel_that_dies_on_its_first_run_is_refused_by_name(fresh, monkeypatch):
+    """The AMX build too: a wild pointer in exact_linear_amx, its emulated tiles' self-check the
+    first to run it. Forced, the layer raises naming the signal; unforced, its bits are exact."""
+    emulated_tiles(monkeypatch)
+    source = fresh / "cpu_amx.c"
+    source.write_text(planted(amx.SOURCE.read_text(), "exact_linear_amx", CRASHES["SIGSEGV"]))
+    monkeypatch.setattr(amx, "SOURCE", source)
+    lib, why = amx.status()
+    assert lib is None and "died of SIGSEGV" in why.why and "the AMX kernel" in why.why, why
+    w, x = torch.randn(40, 96), torch.randn(17, 96).bfloat16()
+    with pytest.raises(KernelUnavailableError, match="died of SIGSEGV"):
+        ExactLinear.from_weight(w, kernel="amx")(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", native.FallbackWarning)
+        y = ExactLinear.from_weight(w)(x)
+    assert same_bits(y, ExactLinear.from_weight(w, kernel="wide")(x))
+
+
+def test_real_tiles_run_without_the_tile_state_die_in_the_child_not_here(monkeypatch):
+    """What issue 39's users saw, on any CPU: the real AMX library's self-check run with no tile
+    state asked for. On a CPU without AMX its first tile instruction raises SIGILL; in the child,
+    that is a refusal naming it. On a CPU with AMX, Linux raises SIGILL there too (the state is
+    granted only on request), unless the machine grants it unasked; then the check passes.
+    (test_amx.py builds the same library.)"""
+    monkeypatch.setenv("EXACTNESS_AMX", "1")
+    monkeypatch.setenv("EXACTNESS_NATIVE", "1")
+    lib, why = amx.build()
+    assert lib is not None, why.why
+    outcome = first_run.run(lib.exactness_file, lib.exactness_digest,
+                            "tests.crashing_kernels:tiles_without_the_tile_state",
+                            "the AMX kernel (real tiles)", native.machine())
+    if outcome.died or amx.missing_features() or native._missing_features():
+        assert outcome.died and "died of SIGILL (an illegal instruction)" in outcome.verdict.why
+        assert "the AMX kernel (real tiles)" in outcome.verdict.why
+    else:
+        assert outcome.verdict.ok, outcome.verdict.why
