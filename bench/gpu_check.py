@@ -90,9 +90,9 @@ def main() -> int:
                           0x3C00 + rng.integers(0, 256, (n, k // 32)), act_bits, BFLOAT16)
         bad += int(not (run(case, "triton") == run(case, "reference")).all())
     print(f"bit-exactness: {'OK' if bad == 0 else f'{bad} cases differ'}")
-    refused = nonfinite_refused("cuda")
-    print(f"non-finite x: {'ValueError with the count' if refused else 'NOT REFUSED'}")
-    bad += not refused
+    nan_rows = nonfinite_rows("cuda")
+    print(f"non-finite x: {'NaN rows; strict: ValueError with the count' if nan_rows else 'WRONG'}")
+    bad += not nan_rows
     captured = capture_refused()
     print(f"CUDA-graph capture: {'refused, typed' if captured else 'NOT REFUSED CLEARLY'}")
     bad += not captured
@@ -146,17 +146,24 @@ def moe_check(experts: int = 32, tokens=(1, 16, 128, 1024)) -> int:
     return bad
 
 
-def nonfinite_refused(device: str) -> bool:
-    """Whether the Triton forward on `device` refuses x with an inf and a NaN (the kernel flags
-    the rows; the layer reads the flags back after its launches) as the contract says."""
+def nonfinite_rows(device: str) -> bool:
+    """Whether the Triton forward on `device` gives x's rows with an inf and a NaN the
+    canonical NaN (contract v1.2) with nothing read back, the other row its own bits, and a
+    strict layer refuses them with the count and the first index."""
     from exactness.contract import NonFiniteError
+    from exactness.formats import tensor_to_bits
     from exactness.modules import ExactLinear
 
     layer = ExactLinear.from_weight(torch.randn(4, 64), backend="triton").to(device)
-    x = torch.randn(3, 64).bfloat16()
+    x = torch.randn(3, 64).bfloat16().to(device)
+    clean = tensor_to_bits(layer(x[:1]))
     x[1, 5], x[2, 7] = float("inf"), float("nan")
+    y = tensor_to_bits(layer(x))
+    if not ((y[1:] == 0x7FC0).all() and (y[:1] == clean).all()):
+        return False
+    layer.strict = True
     try:
-        layer(x.to(device))
+        layer(x)
     except NonFiniteError as error:
         return "x has 2 non-finite value(s); the first at index (1, 5)" in str(error)
     return False
@@ -164,7 +171,7 @@ def nonfinite_refused(device: str) -> bool:
 
 def capture_refused() -> bool:
     """Whether a forward under CUDA-graph capture raises the layer's own error before it
-    launches anything (a graph's replay could not raise for a non-finite x), and the layer
+    launches anything (its buffer compare reads the device), and the layer
     still runs eagerly afterwards."""
     from exactness.contract import ContractValueError
     from exactness.modules import ExactLinear

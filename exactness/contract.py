@@ -1,4 +1,4 @@
-"""The exact-linear contract (docs/SPEC.md restates it) as constants, formats and typed errors.
+"""The exact-linear contract v1.2 (docs/SPEC.md restates it) as constants, formats, typed errors.
 
 Everything else in the package reads its numbers from here: group size, the admissible weight and
 activation widths, the activation range Qa, and the three float formats the contract speaks of.
@@ -23,7 +23,8 @@ class ContractValueError(ExactnessError, ValueError):
 
 
 class NonFiniteError(ContractValueError):
-    """Non-finite activations or scales."""
+    """Non-finite activations or scales: at load, or in a forward of a layer built strict (by
+    default a non-finite x gives NaN rows, contract v1.2)."""
 
 
 class ShapeError(ContractValueError):
@@ -111,6 +112,11 @@ class FloatFormat:
     @property
     def inf_bits(self) -> int:
         return self.exp_max_field << self.mant_bits
+
+    @property
+    def nan_bits(self) -> int:
+        """The canonical quiet NaN (contract v1.2, section 3): positive, top fraction bit set."""
+        return self.inf_bits | 1 << (self.mant_bits - 1)
 
 
 BFLOAT16 = FloatFormat("bfloat16", 8, 7)

@@ -25,6 +25,7 @@ from .contract import (
     ContractTypeError,
     ContractValueError,
     FloatFormat,
+    NonFiniteError,
     ShapeError,
     check_act_bits,
     check_in_features,
@@ -34,6 +35,7 @@ from .contract import (
 from .formats import (
     bits_to_tensor,
     check_finite,
+    finite_mask,
     float_bits,
     pack_weights,
     split_scales,
@@ -62,15 +64,20 @@ class Certificate:
     spread_limit: int
     slow_rows: torch.Tensor  # [N_slow] int64, the rows not fast (found once, not per forward)
     fast_spread: int  # the largest spread of a fast row (0 if none): the folded digits it needs
+    # [N_nan] int64 (CPU): rows holding a non-finite scale, written in place after loading. Their
+    # scales count as 0 here, and their outputs are the canonical NaN (contract v1.2, section 2)
+    nan_rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
 
     def summary(self) -> dict:
         return {"rows": int(self.fast.numel()), "fast_rows": int(self.fast.sum()),
                 "slow_rows": int((~self.fast).sum()), "max_spread": int(self.spread.max()),
-                "spread_limit": self.spread_limit}
+                "spread_limit": self.spread_limit, "nan_rows": int(self.nan_rows.numel())}
 
 
 def certify(weight_scale: torch.Tensor, k: int, w_bits: int, act_bits: int) -> Certificate:
-    ms, shift, emin, spread = split_scales(float_bits(weight_scale))
+    bits = float_bits(weight_scale)
+    finite = finite_mask(bits, BFLOAT16)
+    ms, shift, emin, spread = split_scales(torch.where(finite, bits, 0))
     limit = dataflow.certified_spread(k, w_bits, act_bits)
     fast = spread <= limit
     # an int32 for every certified spread (proved: scale-factor)
@@ -78,7 +85,8 @@ def certify(weight_scale: torch.Tensor, k: int, w_bits: int, act_bits: int) -> C
     factor = torch.where(keep, ms.to(torch.int64) << torch.where(keep, shift, 0), 0)
     return Certificate(emin, spread, factor.to(torch.int32), fast, limit,
                        torch.nonzero(~fast).flatten().cpu(),
-                       int(torch.where(fast, spread, 0).max()) if spread.numel() else 0)
+                       int(torch.where(fast, spread, 0).max()) if spread.numel() else 0,
+                       torch.nonzero(~finite.all(dim=1)).flatten().cpu())
 
 
 @dataclass
@@ -88,7 +96,7 @@ class Derived:
     buffers or the widths differ from it."""
 
     weights: Weights
-    widths: tuple  # (bits, act_bits) it was derived for
+    widths: tuple  # (bits, act_bits, strict) it was derived for
     layouts: dict = field(default_factory=dict)  # each kernel layout's prepared data
     plans: dict = field(default_factory=dict)  # forward's plans by (family, device, rows, ...)
 
@@ -132,7 +140,8 @@ class _PackedExactLinear(nn.Module):
 
     def __init__(self, in_features: int, out_features: int, act_bits: int = DEFAULT_ACT_BITS,
                  *, bits: int = 4, out_dtype: torch.dtype | None = None,
-                 backend: str = "auto", kernel: str | None = None, device=None):
+                 backend: str = "auto", kernel: str | None = None, strict: bool = False,
+                 device=None):
         super().__init__()
         check_in_features(in_features)
         if isinstance(out_features, bool) or not isinstance(out_features, int) or out_features <= 0:
@@ -145,11 +154,14 @@ class _PackedExactLinear(nn.Module):
             raise ContractValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
         if kernel is not None:
             by_name(REGISTRY, kernel)  # a typed error now, for a name no kernel has
+        if not isinstance(strict, bool):
+            raise ContractTypeError(f"strict must be True or False, got {strict!r}")
         # plain attributes in one step: nn.Module's __setattr__ costs a few us each, and a Kimi
         # K2 builds 69,120 of these layers (bench/bench_construction.py)
         self.__dict__.update(in_features=in_features, out_features=out_features,
                              act_bits=act_bits, bits=bits, out_dtype=out_dtype, backend=backend,
                              kernel=kernel,  # None: the plan picks (or EXACTNESS_KERNEL)
+                             strict=strict,  # a non-finite x or scale raises (v1's rule)
                              _derived=None)
         n, k = out_features, in_features
         # zero weights until a checkpoint loads: one fill, nothing on device="meta"
@@ -162,7 +174,8 @@ class _PackedExactLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
                 f"bits={self.bits}, act_bits={self.act_bits}, backend={self.backend}"
-                + (f", kernel={self.kernel}" if self.kernel else ""))
+                + (f", kernel={self.kernel}" if self.kernel else "")
+                + (", strict=True" if self.strict else ""))
 
     # ----------------------------------------------------------------- loading
 
@@ -239,7 +252,7 @@ class _PackedExactLinear(nn.Module):
         """The derived data of the buffers as they are now: kept if they hold the same bits as
         its copies (the cost of a compare of the buffers' bytes), else derived again."""
         packed, scale = self._readable_buffers()
-        widths = (self.bits, self.act_bits)
+        widths = (self.bits, self.act_bits, self.strict)  # what the derivation depends on
         derived = self._derived
         if derived is not None and derived.holds(packed, scale, widths):
             return derived
@@ -249,7 +262,8 @@ class _PackedExactLinear(nn.Module):
                 return derived  # another thread derived it meanwhile
             check_weight_bits(self.bits)
             check_act_bits(self.act_bits)
-            check_finite(float_bits(scale), BFLOAT16, "weight_scale")
+            if self.strict:  # else its rows' outputs are NaN (certify's nan_rows)
+                check_finite(float_bits(scale), BFLOAT16, "weight_scale")
             packed, scale = packed.clone(), scale.clone()
             certificate = certify(scale, self.in_features, self.bits, self.act_bits)
             self._derived = Derived(Weights(packed, scale, self.out_features, self.in_features,
@@ -344,15 +358,41 @@ class _PackedExactLinear(nn.Module):
             return torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype
                                if self.out_dtype is None else self.out_dtype, device=x.device)
         weights = derived.weights
-        chosen = self._plan(self._family(x2), x2.device, x2.shape[0], derived)
-        y = chosen.kernel.run(x2, weights, self._prepared(chosen.kernel, derived), out_format)
+        family = self._family(x2)
+        chosen = self._plan(family, x2.device, x2.shape[0], derived)
+        prepared = self._prepared(chosen.kernel, derived)
+        bad_rows = None
+        if family == "triton":  # on the device: nothing read back (contract v1.2)
+            x2, bad_rows = self._finite_rows(x2)
+            y = chosen.kernel.run(x2, weights, prepared, out_format)
+        else:
+            try:  # the CPU kernels find a non-finite x as they quantize: no pass of its own
+                y = chosen.kernel.run(x2, weights, prepared, out_format)
+            except NonFiniteError:
+                if self.strict:
+                    raise
+                x2, bad_rows = self._finite_rows(x2)
+                y = chosen.kernel.run(x2, weights, prepared, out_format)
         slow = weights.certificate.slow_rows
         if slow.numel() and chosen.kernel is not WIDE:  # spreads no fast kernel holds
             y[:, slow.to(x.device)] = linear_rows(x2, weights, slow, out_format,
                                                   self._prepared(WIDE, derived))
+        if bad_rows is not None:
+            y = y.masked_fill_(bad_rows[:, None], float("nan"))
+        if weights.certificate.nan_rows.numel():
+            y = y.index_fill_(1, weights.certificate.nan_rows.to(y.device), float("nan"))
         if x.requires_grad and torch.is_grad_enabled():
             y = _NoBackward.apply(x, y)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
+
+    def _finite_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x with every row that holds a non-finite value zeroed, those rows' mask), computed
+        on x's device; a strict layer raises NonFiniteError instead (one read of the device).
+        A forward then gives those rows the canonical NaN (contract v1.2, section 3)."""
+        bad = ~torch.isfinite(x).all(dim=1)
+        if self.strict and bool(bad.any()):
+            check_finite(float_bits(x), float_format(x.dtype), "x")  # raises: count, index
+        return x.masked_fill(bad[:, None], 0), bad
 
     def _checked(self, x: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, FloatFormat]:
         """x as [M, K] and the output's format, or a typed error (the buffers are on `device`)."""
@@ -389,9 +429,9 @@ class PackedInt4Linear(_PackedExactLinear):
 
     def __init__(self, in_features: int, out_features: int, act_bits: int = DEFAULT_ACT_BITS, *,
                  out_dtype: torch.dtype | None = None, backend: str = "auto",
-                 kernel: str | None = None, device=None):
+                 kernel: str | None = None, strict: bool = False, device=None):
         super().__init__(in_features, out_features, act_bits, bits=4, out_dtype=out_dtype,
-                         backend=backend, kernel=kernel, device=device)
+                         backend=backend, kernel=kernel, strict=strict, device=device)
 
 
 class ExactLinear(_PackedExactLinear):
@@ -400,7 +440,8 @@ class ExactLinear(_PackedExactLinear):
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bits: int = 4, group_size: int = GROUP_SIZE,
                     act_bits: int = DEFAULT_ACT_BITS, *, out_dtype: torch.dtype | None = None,
-                    backend: str = "auto", kernel: str | None = None) -> ExactLinear:
+                    backend: str = "auto", kernel: str | None = None,
+                    strict: bool = False) -> ExactLinear:
         """Quantize `weight` [N, K] group-wise (docs/SPEC.md section 6) onto the exact path."""
         from .quantize import quantize_weight
 
@@ -413,7 +454,7 @@ class ExactLinear(_PackedExactLinear):
         q, scale_bits = quantize_weight(float_bits(weight.detach().cpu()).numpy(),
                                         float_format(weight.dtype), bits)
         layer = cls(k, n, act_bits, bits=bits, out_dtype=out_dtype, backend=backend, kernel=kernel,
-                    device=weight.device)
+                    strict=strict, device=weight.device)
         layer.load_state_dict({
             "weight_packed": torch.from_numpy(pack_weights(q, bits)),
             "weight_scale": bits_to_tensor(scale_bits, BFLOAT16),

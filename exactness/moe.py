@@ -8,9 +8,10 @@ so an expert's layer gives a row the same bits in any company. `weighted_sum` ad
 contributions in that loop's order (experts ascending, then slots), in its dtype.
 
 Where the grouped call meets anything unusual it runs the per-expert loop instead, with that
-loop's own checks and errors, so the two never differ, errors included. That covers a non-finite
-input of either projection, an expert whose layers differ from the others' in widths, a forced
-per-layer kernel, and no grouped kernel here (a warning says why, once).
+loop's own checks and errors, so the two never differ, errors and NaN rows included. That covers a
+non-finite input of either projection, a non-finite scale written in place, an expert whose layers
+differ from the others' in widths, a forced per-layer kernel, and no grouped kernel here (a
+warning says why, once).
 
 On the CPU the grouped kernel reads each routed expert's derived data, after the check of its
 buffers a layer's forward makes (exactness.modules). On the GPU it reads every expert's live
@@ -259,6 +260,8 @@ def _project(kernel, layers, x: torch.Tensor, routing: Routing, gather: bool, wo
     derived = {e: [layer._derive() for layer in layers[e]] for e in experts}  # buffer checks
     if any(d.weights.packed.device != x.device for e in experts for d in derived[e]):
         raise ContractValueError(f"x is on {x.device}, an expert's buffers elsewhere: move one")
+    if any(d.weights.certificate.nan_rows.numel() for e in experts for d in derived[e]):
+        return None, None  # a non-finite scale written in place: the loop's NaN rows
     items = [None] * routing.experts
     for e in experts:
         items[e] = [(d.weights, layer._prepared(kernel, d))

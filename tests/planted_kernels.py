@@ -55,6 +55,19 @@ def nondeterministic(weight_packed, weight_scale, weight_shape):
     return run
 
 
+def nan_with_its_sign_set(weight_packed, weight_scale, weight_shape, act_bits=16):
+    """The exact layer, each NaN it gives negated: NaN rows, but not the canonical NaN."""
+    layer = exact16(weight_packed, weight_scale, weight_shape, act_bits)
+
+    def run(x):
+        y = layer(x)
+        words = y.view(torch.int16)
+        words[torch.isnan(y)] |= -(2**15)
+        return y
+
+    return run
+
+
 def nan_swallowed(weight_packed, weight_scale, weight_shape):
     """transformers' path, with the non-finite inputs zeroed first."""
     run = compressed_tensors_bf16(weight_packed, weight_scale, weight_shape)

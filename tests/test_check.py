@@ -83,6 +83,7 @@ def test_a_registered_kernel_is_checked_as_an_outside_one(tmp_path):
     ("batch_dependent", Claim("w4a16"), "batch-invariant"),
     ("nondeterministic", Claim("w4a16"), "deterministic"),
     ("nan_swallowed", Claim("w4a16"), "non-finite"),
+    ("nan_with_its_sign_set", Claim("exact"), "non-finite"),
     ("k_tail_dropped", Claim("w4a16", max_ulp=1), "tails"),
 ])
 def test_each_property_refutes_its_planted_bug_and_the_file_replays(
@@ -124,7 +125,7 @@ def test_a_kernel_that_cannot_be_loaded_is_a_typed_error(spec, message):
 @pytest.mark.parametrize("claim, message", [
     (dict(name="fast"), "--claim must be one of exact, w4a16, got 'fast'"),
     (dict(act_bits=12), "--act-bits must be one of"),
-    (dict(non_finite="ignore"), "--non-finite must be one of refuse, propagate"),
+    (dict(non_finite="ignore"), "--non-finite must be one of nan, refuse, propagate"),
     (dict(max_ulp=-1.0), "--max-ulp must be a number >= 0"),
 ])
 def test_bad_options_are_typed_errors(claim, message):

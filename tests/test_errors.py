@@ -8,6 +8,7 @@ import torch
 
 from exactness import ExactLinear, PackedInt4Linear
 from exactness.contract import (
+    BFLOAT16,
     ContractTypeError,
     ContractValueError,
     NonFiniteError,
@@ -16,7 +17,7 @@ from exactness.contract import (
     float_format,
     weight_range,
 )
-from exactness.formats import decode, pack_weights, unpack_weights
+from exactness.formats import decode, pack_weights, tensor_to_bits, unpack_weights
 from exactness.kernels import REGISTRY
 from exactness.suite.cases import load_vectors
 from exactness.suite.paths import BACKENDS, available_paths, device_of, layer_for, require
@@ -37,21 +38,26 @@ def test_good_input_passes():
     assert call().shape == (2, 3)
 
 
-@pytest.mark.parametrize("bad", [0x7F80, 0xFF80, 0x7FC1])  # +inf, -inf, NaN
-def test_non_finite_activation_counts_and_locates(bad):
+@pytest.mark.parametrize("bad", [0x7F80, 0xFF80, 0x7FC1, 0xFFC1])  # +-inf, a NaN, a negative NaN
+def test_a_non_finite_activation_gives_its_row_the_canonical_nan(bad):
+    """Contract v1.2, section 3: every output of that row is the canonical quiet NaN, and the
+    other rows are what they are without it."""
     x = X.copy()
     x[1, 5] = x[1, 9] = bad
-    with pytest.raises(NonFiniteError, match=r"x has 2 non-finite value\(s\); the first at index "
-                                             r"\(1, 5\)"):
-        call(x=x)
-    assert issubclass(NonFiniteError, ValueError)
+    got = call(x=x)
+    assert (got[1] == BFLOAT16.nan_bits).all(), got
+    np.testing.assert_array_equal(got[0], call()[0])
+    assert issubclass(NonFiniteError, ValueError)  # what a strict layer raises
 
 
-def test_non_finite_scale_names_the_tensor():
+def test_a_non_finite_scale_gives_its_weight_row_the_canonical_nan():
+    """Contract v1.2, section 2: a non-finite scale that reaches a forward (written in place
+    after loading) gives every output of its weight row the canonical NaN."""
     s = SCALES.copy()
     s[2, 1] = 0x7F80
-    with pytest.raises(NonFiniteError, match=r"weight_scale .* \(2, 1\)"):
-        call(scales=s)
+    got = call(scales=s)
+    assert (got[:, 2] == BFLOAT16.nan_bits).all(), got
+    np.testing.assert_array_equal(got[:, :2], call()[:, :2])
 
 
 def test_k_not_a_multiple_of_32():
@@ -132,24 +138,30 @@ def test_a_non_finite_weight_for_from_weight_names_it():
 
 @pytest.mark.parametrize("path", [*BACKENDS, *(k.name for k in REGISTRY
                                                if k.name != "triton-folded")])
-def test_layer_non_finite_x_counts(path):
-    """Every path refuses x with non-finite values of each kind, in each dtype (the C kernel and
-    the Triton quantization flag their rows themselves), with the count and the first index.
-    (triton-folded shares the Triton quantization and its flags.)"""
+def test_layer_non_finite_x_gives_nan_rows_or_raises_when_strict(path):
+    """Every path gives a row of x holding an inf or a NaN the canonical NaN in every output, in
+    each dtype, and the other rows their own bits (contract v1.2). A strict layer raises
+    instead, with the count and the first index. (triton-folded shares the Triton path.)"""
     require(path)
     act16 = next(case for case in load_vectors() if case.act_bits == 16)  # every kernel holds it
     for bad, dtype in itertools.product([float("inf"), float("-inf"), float("nan")],
                                         [torch.bfloat16, torch.float16, torch.float32]):
         case_layer = layer_for(act16, path, device_of(path))
-        x = torch.randn(3, case_layer.in_features).to(dtype)
+        x = torch.randn(3, case_layer.in_features).to(dtype).to(device_of(path))
+        clean = case_layer(x[1:2])
         x[2, 7] = x[0, 1] = bad
-        try:
+        y = tensor_to_bits(case_layer(x))
+        nan = float_format(y_dtype(case_layer, dtype)).nan_bits
+        assert (y[[0, 2]] == nan).all(), (path, bad, dtype, y)
+        assert (y[1] == tensor_to_bits(clean)[0]).all(), (path, bad, dtype)
+        case_layer.strict = True
+        with pytest.raises(NonFiniteError, match=r"x has 2 non-finite value\(s\); the first at "
+                                                 r"index \(0, 1\)"):
             case_layer(x)
-        except ValueError as error:
-            assert "x has 2 non-finite value(s); the first at index (0, 1)" in str(error), (
-                path, bad, dtype, str(error))
-        else:
-            raise AssertionError(f"{path}, {dtype}: x holding {bad} went through")
+
+
+def y_dtype(layer, x_dtype: torch.dtype) -> torch.dtype:
+    return layer.out_dtype or x_dtype
 
 
 def test_layer_wrong_last_dim_and_dtypes():
@@ -253,10 +265,17 @@ def test_what_the_loader_and_the_constructor_refuse_is_named_exactly():
         PackedInt4Linear(64, 4, backend="gpu")
 
 
-def test_a_non_finite_scale_written_in_place_is_named_at_the_next_forward():
+def test_a_non_finite_scale_written_in_place_is_nan_or_named_when_strict():
+    """Its weight row's outputs are the canonical NaN at the next forward (contract v1.2), the
+    others unchanged; a strict layer names it instead."""
     layer = PackedInt4Linear(64, 4)
-    layer(torch.randn(2, 64))  # derived once: the write below must be seen
+    x = torch.randn(2, 64)
+    before = tensor_to_bits(layer(x))  # derived once: the write below must be seen
     layer.weight_scale[1, 0] = float("inf")
+    after = tensor_to_bits(layer(x))
+    assert (after[:, 1] == float_format("float32").nan_bits).all()
+    assert (after[:, [0, 2, 3]] == before[:, [0, 2, 3]]).all()
+    layer.strict = True
     with pytest.raises(NonFiniteError, match=r"^weight_scale has 1 non-finite value\(s\); the "
                                              r"first at index \(1, 0\)"):
-        layer(torch.randn(2, 64))
+        layer(x)

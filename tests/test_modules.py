@@ -412,11 +412,15 @@ def test_the_triton_kernels_at_8_bit_weights(path):
 
 
 @needs_triton
-def test_a_non_finite_x_in_a_later_block_of_rows_is_counted_in_x():
+def test_a_non_finite_x_in_a_later_block_of_rows_is_nan_or_counted_in_x():
     layer = ExactLinear.from_weight(torch.randn(24, 64), backend="triton")
     x = torch.randn(13, 64)
+    want = tensor_to_bits(layer(x[:11]))
     x[11, 3] = x[12, 0] = float("nan")
     with mock.patch.object(triton_exact, "INT32_OFFSETS", 5 * 2 * 64):  # 5 rows a launch
+        y = tensor_to_bits(layer(x))
+        assert (y[11:] == 0x7FC00000).all() and (y[:11] == want).all()
+        layer.strict = True
         with pytest.raises(ValueError, match=r"2 non-finite value\(s\); the first at index "
                                              r"\(11, 3\)"):
             layer(x)
@@ -435,16 +439,17 @@ def test_the_gpu_checks_tile_table_runs(capsys):
 
 @needs_triton
 def test_the_gpu_checks_non_finite_check_runs():
-    """bench/gpu_check.py's non-finite x, under the interpreter: refused, with the count."""
-    from bench.gpu_check import nonfinite_refused
+    """bench/gpu_check.py's non-finite x, under the interpreter: NaN rows, or refused with the
+    count by a strict layer."""
+    from bench.gpu_check import nonfinite_rows
 
-    assert nonfinite_refused("cpu")
+    assert nonfinite_rows("cpu")
 
 
 @needs_triton
 def test_a_cuda_graph_capture_is_refused_before_any_launch(monkeypatch):
-    """Under capture the layer raises its own error at once (a replay could not raise the
-    contract's ValueError for a non-finite x); bench/gpu_check.py checks it on a real GPU."""
+    """Under capture the layer raises its own error at once (its buffer compare reads the
+    device); bench/gpu_check.py checks it on a real GPU."""
     layer = ExactLinear.from_weight(torch.randn(4, 64), backend="triton")
     x = torch.randn(3, 64)
     monkeypatch.setattr(triton_exact, "capturing", lambda x: True)
@@ -913,7 +918,9 @@ def test_the_certificate_summary_counts_each_kind_of_row():
     layer.load_state_dict({"weight_packed": layer.weight_packed, "weight_scale": scales,
                            "weight_shape": layer.weight_shape})
     assert layer.certificate.summary() == {"rows": 3, "fast_rows": 2, "slow_rows": 1,
-                                           "max_spread": 100, "spread_limit": 12}
+                                           "max_spread": 100, "spread_limit": 12, "nan_rows": 0}
+    layer.weight_scale[2, 1] = float("nan")  # written in place after loading
+    assert layer.certificate.summary()["nan_rows"] == 1
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exactness import ExactLinear, moe
+from exactness import ExactLinear, PackedInt4Linear, moe
 from exactness.contract import (
     BFLOAT16,
     ContractTypeError,
@@ -20,7 +20,7 @@ from exactness.contract import (
     NonFiniteError,
     ShapeError,
 )
-from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits
+from exactness.formats import bits_to_tensor, finite_mask, pack_weights, tensor_to_bits
 from exactness.kernels import REGISTRY, KernelUnavailableError, native
 from exactness.kernels.registry import no
 from exactness.kernels.routing import route
@@ -452,16 +452,26 @@ def test_routing_of_a_wrong_shape_or_type_is_a_typed_error(ids, error, says):
 # --------------------------------------------------------------------------- what it cannot do
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
-def test_a_non_finite_input_raises_the_loops_own_error(backend):
-    """A NaN in x, and an inf met by down (gate and up overflowed), raise what the per-expert
-    loop raises: the grouped call takes the loop where it meets either."""
+def test_a_non_finite_input_gives_the_loops_nan_rows_or_its_error(backend):
+    """An inf in x, and an inf met by down (gate and up overflowed): the grouped call takes the
+    loop where it meets either, so its NaN rows are the loop's bits (contract v1.2), and with
+    strict layers it raises what the loop raises."""
     skip_unless_backend(backend)
     experts = experts_of(zero_case(2), backend)
     ids, weights = torch.tensor([[1, 0], [0, 2]]), torch.ones(2, 2)
     x = torch.randn(2, 64).bfloat16()
     x[1, 7] = float("inf")
     huge = torch.full((2, 64), 3e38).bfloat16()
+    device = next(experts.buffers()).device
     for inputs_ in ((x, ids, weights), (huge, ids, weights)):
+        inputs_ = [t.to(device) for t in inputs_]
+        got, want = (tensor_to_bits(call(*inputs_)) for call in (experts, experts.per_expert))
+        assert (got == want).all() and not finite_mask(got[1], BFLOAT16).any()
+    for layer in experts.modules():
+        if isinstance(layer, PackedInt4Linear):
+            layer.strict = True
+    for inputs_ in ((x, ids, weights), (huge, ids, weights)):
+        inputs_ = [t.to(device) for t in inputs_]
         errors = []
         for call in (experts, experts.per_expert):
             with pytest.raises(NonFiniteError) as raised:

@@ -13,6 +13,7 @@ from exactness.contract import (
     ContractValueError,
     NonFiniteError,
     ShapeError,
+    float_format,
 )
 from exactness.dataflow import certified_spread
 from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits
@@ -136,14 +137,23 @@ def test_each_kind_of_weight_change_is_seen_on_every_path(kernel, kind):
     assert (bits(layer(X)) == want).all()
 
 
-def test_a_non_finite_scale_written_in_place_is_refused():
-    layer = layer_of(checkpoint(0))
-    layer(X)
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_a_non_finite_scale_written_in_place_gives_its_row_nan(kernel):
+    """Contract v1.2: every output of that weight row is the canonical NaN at every forward
+    after the write, the other rows unchanged, on every path; a strict layer refuses it, again
+    at every forward (never cached)."""
+    require(kernel)
+    layer = here(kernel)
+    before = bits(layer(X))
     layer.weight_scale.data[3, 1] = float("nan")
-    with pytest.raises(NonFiniteError, match="weight_scale"):
-        layer(X)
-    with pytest.raises(NonFiniteError, match="weight_scale"):  # refused again, not cached
-        layer(X)
+    for _ in range(2):
+        after = bits(layer(X))
+        assert (after[:, 3] == float_format(X.dtype).nan_bits).all()
+        assert (np.delete(after, 3, axis=1) == np.delete(before, 3, axis=1)).all()
+    layer.strict = True
+    for _ in range(2):
+        with pytest.raises(NonFiniteError, match="weight_scale"):
+            layer(X)
 
 
 def test_the_hook_serving_stacks_call_after_loading_rebuilds_the_derived_data():
@@ -154,6 +164,9 @@ def test_the_hook_serving_stacks_call_after_loading_rebuilds_the_derived_data():
     layer.process_weights_after_loading()
     assert (bits(layer(X)) == bits(layer_of(new)(X))).all()
     layer.weight_scale.data[0, 0] = float("inf")
+    layer.process_weights_after_loading()  # a NaN row (contract v1.2), or strict: refused
+    assert (bits(layer(X))[:, 0] == float_format(X.dtype).nan_bits).all()
+    layer.strict = True
     with pytest.raises(NonFiniteError, match="weight_scale"):
         layer.process_weights_after_loading()
 

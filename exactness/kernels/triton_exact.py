@@ -29,7 +29,7 @@ import torch
 
 from .. import dataflow
 from ..contract import GROUP_SIZE, ContractValueError, FloatFormat, act_qmax, float_format
-from ..formats import check_finite, float_bits, torch_dtype
+from ..formats import torch_dtype
 from .cpu import int_mm_exact
 from .registry import Fit, Weights, int8_limbs_hold, no, yes
 
@@ -544,7 +544,7 @@ def linear_folded(limbs: torch.Tensor, e_r: torch.Tensor, weight_packed: torch.T
 class _TritonKernel:
     """The Triton forward: x quantized by quantize_kernel, then the group kernel (`linear`) or
     the folded GEMM (`linear_folded`), in blocks of rows that keep each launch's offsets in int32
-    (rows_per_launch); the non-finite flags are read back once every launch is queued."""
+    (rows_per_launch). x is finite: the layer gives a non-finite row its NaN (contract v1.2)."""
 
     family, layout, auto, grouped = "triton", "triton", True, False
 
@@ -580,30 +580,28 @@ class _TritonKernel:
         return {}  # per device: gpu_weights
 
     def run(self, x, weights: Weights, prepared: dict, out_format: FloatFormat):
+        """y for a finite x (the layer gives a non-finite row its NaN first): nothing is read
+        back."""
         if capturing(x):
             raise ContractValueError(
-                "the exact layers cannot be captured into a CUDA graph: a forward reads its "
-                "non-finite flags back to raise the contract's ValueError, which a graph's "
-                "replay could not do; run them eagerly")
-        y, nonfinite = self.launches(x, weights, gpu_weights(weights, prepared, x.device),
-                                     torch_dtype(out_format))
-        if bool(nonfinite.cpu().any()):  # the device never waits on the host before this
-            check_finite(float_bits(x), float_format(x.dtype), "x")  # raises: count, index
-        return y
+                "the exact layers cannot be captured into a CUDA graph: a forward compares the "
+                "buffers with the layer's copy on the host, which a graph's replay could not "
+                "do; run them eagerly")
+        return self.launches(x, weights, gpu_weights(weights, prepared, x.device),
+                             torch_dtype(out_format))
 
     def launches(self, x, weights: Weights, derived: tuple, out_dtype: torch.dtype):
-        """(y, the rows' non-finite flags), every block of rows queued, nothing read back."""
+        """y, every block of rows queued, nothing read back."""
         args = (weights.packed, *derived, weights.bits)
         digits = dataflow.folded_weight_limbs(weights.bits, weights.certificate.fast_spread)
-        ys, flags = [], []
+        ys = []
         for rows in x.split(rows_per_launch(weights.k, weights.n, weights.act_bits)):
-            limbs, e_r, nonfinite = quantize(rows, weights.act_bits)
+            limbs, e_r, _ = quantize(rows, weights.act_bits)
             if self.folded:
                 ys.append(linear_folded(limbs, e_r, *args, digits, out_dtype))
             else:
                 ys.append(linear(limbs, e_r, *args, out_dtype))
-            flags.append(nonfinite)
-        return (ys[0], flags[0]) if len(ys) == 1 else (torch.cat(ys), torch.cat(flags))
+        return ys[0] if len(ys) == 1 else torch.cat(ys)
 
 
 def gpu_weights(weights: Weights, prepared: dict, device: torch.device) -> tuple:

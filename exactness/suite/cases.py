@@ -11,9 +11,11 @@ import numpy as np
 from ..contract import FloatFormat, float_format
 from ..formats import unpack_weights
 
-# package data, copied unchanged from the contract: v1 (36 cases), v1.1's act_bits = 32 (18)
+# package data, copied unchanged from the contract: v1 (36 cases), v1.1's act_bits = 32 (18),
+# v1.2's rows of non-finite x (12)
 VECTOR_FILES = tuple(Path(__file__).resolve().parent / "data" / name
-                     for name in ("contract-v1.json", "contract-v1.1-a32.json"))
+                     for name in ("contract-v1.json", "contract-v1.1-a32.json",
+                                  "contract-v1.2-nonfinite.json"))
 
 
 @dataclass

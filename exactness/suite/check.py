@@ -17,8 +17,9 @@ Each property gets its own verdict, in Alive2's words: passed (with how many inp
 - batch-invariant: each row's bits are the same alone, in its batch, in the batch reversed, and
   among other rows;
 - deterministic: a second call, and a kernel built again, give the same bits;
-- non-finite: an inf or NaN in x is refused (an exception) or propagated (that row's outputs
-  are not finite, the other rows' bits unchanged), as --non-finite says the kernel does;
+- non-finite: an inf or NaN in x gives every output of its row the canonical NaN (contract
+  v1.2), is refused (an exception), or is propagated (that row's outputs are not finite), the
+  other rows' bits unchanged, as --non-finite says the kernel does;
 - tails: the claim at M, N, K that are multiples of no tile (3 x 96 -> 7, and more).
 A refutation is written as a counterexample file naming the kernel and the property; it replays
 with `python -m exactness repro FILE --kernel KERNEL`.
@@ -54,7 +55,7 @@ from .strategies import (
 from .truth import true_product, ulp_errors
 
 CLAIMS = ("exact", "w4a16")
-NON_FINITE = ("refuse", "propagate")
+NON_FINITE = ("nan", "refuse", "propagate")
 PROPERTIES = ("claim", "batch-invariant", "deterministic", "non-finite", "tails")
 TAILS = ((3, 96, 7), (1, 32, 1), (5, 160, 19), (17, 224, 33), (2, 7168, 5))  # (M, K, N)
 ULP_BINS = (0.5, 1, 2, 4, 16, 256, np.inf)  # the distribution: shares at most each bound
@@ -69,7 +70,7 @@ class Claim:
     name: str = "exact"  # CLAIMS
     act_bits: int = 16  # exact: the contract's activation width
     max_ulp: float | None = None  # w4a16: refuted past this many ulps
-    non_finite: str | None = None  # NON_FINITE; None: refuse for exact, propagate for w4a16
+    non_finite: str | None = None  # NON_FINITE; None: nan for exact, propagate for w4a16
 
     def __post_init__(self):
         if self.name not in CLAIMS:
@@ -84,7 +85,7 @@ class Claim:
 
     @property
     def on_non_finite(self) -> str:
-        return self.non_finite or ("refuse" if self.name == "exact" else "propagate")
+        return self.non_finite or ("nan" if self.name == "exact" else "propagate")
 
 
 @dataclass
@@ -282,7 +283,8 @@ def check_non_finite(fn: Callable, case: LinearCase, claim: Claim, poison: tuple
         if claim.on_non_finite == "refuse":
             return
         raise Refuted(prop, case, f"{what} was refused ({type(e).__name__}: {e}); "
-                      f"--non-finite propagate says it passes through", extra=extra) from e
+                      f"--non-finite {claim.on_non_finite} says it passes through",
+                      extra=extra) from e
     if claim.on_non_finite == "refuse":
         raise Refuted(prop, case, f"{what} was not refused: the kernel returned outputs",
                       extra=extra)
@@ -290,6 +292,9 @@ def check_non_finite(fn: Callable, case: LinearCase, claim: Claim, poison: tuple
     fmt = float_format(y.dtype)
     if finite_mask(got[r], fmt).any():
         raise Refuted(prop, case, f"{what}: row {r} has finite outputs", None, got, extra)
+    if claim.on_non_finite == "nan" and (got[r] != fmt.nan_bits).any():
+        raise Refuted(prop, case, f"{what}: row {r} is not all the canonical NaN "
+                      f"({fmt.nan_bits:#x})", None, got, extra)
     others = [i for i in range(case.shape[0]) if i != r]
     if (got[others] != clean[others]).any():
         raise Refuted(prop, case, f"{what} changed the bits of other rows", clean, got, extra)
@@ -433,8 +438,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--claim", default="exact", help=f"one of {', '.join(CLAIMS)}")
     parser.add_argument("--max-ulp", type=float, help="w4a16: refute an error past this")
     parser.add_argument("--act-bits", type=int, default=16, help="exact: the activation width")
-    parser.add_argument("--non-finite", help="refuse or propagate (default: refuse for exact, "
-                        "propagate for w4a16)")
+    parser.add_argument("--non-finite", help="nan, refuse or propagate (default: nan for "
+                        "exact, contract v1.2; propagate for w4a16)")
     parser.add_argument("--examples", type=int, default=30, help="inputs per property")
     parser.add_argument("--kimi", action="store_true", help="full Kimi sizes too")
     parser.add_argument("--n-multiple", type=int, default=1,

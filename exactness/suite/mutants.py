@@ -370,7 +370,6 @@ C_KERNEL = "exactness/kernels/cpu_vnni.c"
 AMX_KERNEL = "exactness/kernels/cpu_amx.c"
 AMX, AMX_VECTORS = equivalence("amx"), vectors("amx")
 BATCH = "tests/test_modules.py::test_batch_and_permutation_invariance"
-NON_FINITE = "tests/test_errors.py::test_layer_non_finite_x_counts[triton-group]"
 QUANTIZE_SLICES = "tests/test_modules.py::test_the_quantize_kernel_at_any_slicing_and_tile"
 SPANS_EDGE = "tests/test_modules.py::test_span_kernel_at_the_int32_edge"
 LIMBS_32 = "tests/test_proofs.py::test_activation_limbs_recombine_at_every_width[32]"
@@ -574,9 +573,9 @@ CATALOGUE = (
     Mutant("kernel-infinity-not-flagged", "exactness.kernels.triton_exact:quantize_kernel",
            "(row_max >= ((1 << EXP) - 1) << MANT)", "(row_max > ((1 << EXP) - 1) << MANT)",
            "the Triton quantization flags rows holding NaN but not rows holding an infinity, "
-           "which then goes through as a number",
-           (NON_FINITE, "tests/test_moe.py::test_a_non_finite_input_raises_the_loops_own_error"
-            "[triton]")),
+           "which then goes through the grouped MoE call as a number",
+           ("tests/test_moe.py::test_a_non_finite_input_gives_the_loops_nan_rows_or_its_error"
+            "[triton]",)),
     Mutant("launch-blocks-read-the-first-rows",
            "exactness.kernels.triton_exact:_TritonKernel.launches",
            "quantize(rows, weights.act_bits)",
@@ -584,12 +583,6 @@ CATALOGUE = (
            "each block of rows launched to keep offsets in int32 reads the first block's rows "
            "(the block's offset not carried into its launch)",
            ("tests/test_modules.py::test_launches_in_blocks_of_rows_match_reference",)),
-    Mutant("launch-blocks-flags-of-the-first",
-           "exactness.kernels.triton_exact:_TritonKernel.launches",
-           "(torch.cat(ys), torch.cat(flags))", "(torch.cat(ys), flags[0])",
-           "only the first block's non-finite flags read back: a NaN in a later block goes "
-           "through as a number",
-           ("tests/test_modules.py::test_a_non_finite_x_in_a_later_block_of_rows_is_counted_in_x",)),
     Mutant("kernel-output-sign-dropped", "exactness.kernels.triton_exact:round_scaled",
            "bits = bits | tl.where(m < 0, (a * 0 + 1) << (MANT + EXP), 0)", "bits = bits",
            "the sign bit not set on negative outputs in the Triton epilogue",
@@ -620,6 +613,17 @@ CATALOGUE = (
             "tests/test_reliability.py::test_each_kind_of_weight_change_is_seen_on_every_path"
             "[factors-vnni-limbs]",
             "tests/test_moe.py::test_slow_rows_and_writes_through_any_door_are_seen[cpu]")),
+    # --- contract v1.2: non-finite rows (issue 40)
+    Mutant("nan-rows-of-x-left-zero", "exactness.modules:_PackedExactLinear.forward",
+           "y = y.masked_fill_(bad_rows[:, None], float(\"nan\"))", "pass",
+           "a row of x holding an inf or a NaN computed as zeros, its outputs +0.0, not NaN",
+           ("tests/test_errors.py::test_layer_non_finite_x_gives_nan_rows_or_raises_when_strict"
+            "[vnni-limbs]", CPU_VECTORS)),
+    Mutant("nan-weight-rows-left-zero", "exactness.modules:_PackedExactLinear.forward",
+           "y = y.index_fill_(1, weights.certificate.nan_rows.to(y.device), float(\"nan\"))",
+           "pass", "a non-finite scale written in place counted as 0: finite outputs for its row",
+           ("tests/test_reliability.py::test_a_non_finite_scale_written_in_place_gives_its_row_nan"
+            "[vnni-limbs]",)),
     # --- the C kernel (cpu_vnni.c), the CPU path's production code
     Mutant("vnni-high-limb-correction-unscaled", C_KERNEL, "limbs == 1 ? 7 : 15", "7",
            "the bias correction of the high limb not scaled by 256 (per-limb zero points)",

@@ -30,8 +30,8 @@ from ..contract import (
     float_format,
 )
 from ..formats import (
-    check_finite,
     decode,
+    finite_mask,
     round_scaled,
     round_scaled_array,
     split_scales,
@@ -62,10 +62,33 @@ def oracle_quantize_row(row_bits, x_format, act_bits: int) -> tuple[list[int], i
     return [round(v / Fraction(2) ** e) for v in xs], e  # round(): half to even
 
 
+def non_finite(x_bits, x_format, scale_bits):
+    """Contract v1.2's rule, sections 2 and 3: (x, scales) with every non-finite value made 0,
+    then the rows of x and the weight rows that held one, whose outputs are the canonical NaN."""
+    x_bits, scale_bits = np.asarray(x_bits), np.asarray(scale_bits)
+    x_ok, s_ok = finite_mask(x_bits, float_format(x_format)), finite_mask(scale_bits, BFLOAT16)
+    return (np.where(x_ok, x_bits, 0), np.where(s_ok, scale_bits, 0), ~x_ok.all(axis=1),
+            ~s_ok.all(axis=1))
+
+
+def with_nans(out, bad_rows, bad_weight_rows, out_format):
+    """`out` [M, N] with the canonical NaN in every output of those rows of x and weight rows."""
+    out = np.array(out, dtype=np.int64)
+    out[bad_rows] = out_format.nan_bits
+    out[:, bad_weight_rows] = out_format.nan_bits
+    return out
+
+
 def oracle_linear(x_bits, x_format, weight_packed, scale_bits, *, act_bits: int = 16,
                   out_format=None, w_bits: int = 4) -> list[list[int]]:
-    """y[r][n] = RNE(2**e_r * sum_g s[n,g] * sum_k qa[r,k] * qw[n,k]) in plain Python numbers."""
+    """y[r][n] = RNE(2**e_r * sum_g s[n,g] * sum_k qa[r,k] * qw[n,k]) in plain Python numbers;
+    the canonical NaN in every output of a non-finite row of x or of scales (non_finite)."""
     out_format = float_format(out_format or x_format)
+    x_bits, scale_bits, bad_rows, bad_weight_rows = non_finite(x_bits, x_format, scale_bits)
+    if bad_rows.any() or bad_weight_rows.any():
+        out = oracle_linear(x_bits, x_format, weight_packed, scale_bits, act_bits=act_bits,
+                            out_format=out_format, w_bits=w_bits)
+        return with_nans(out, bad_rows, bad_weight_rows, out_format).tolist()
     per = 32 // w_bits
     mask, offset = 2**w_bits - 1, 2 ** (w_bits - 1)
     qw = [[((int(w) & 0xFFFFFFFF) >> (w_bits * j) & mask) - offset for w in row for j in range(per)]
@@ -117,7 +140,7 @@ def oracle_quantize_weight(w_bits, w_format, bits: int) -> tuple[list[list[int]]
 
 
 def check_linear_inputs(x_bits, x_format, weight_packed, scale_bits, act_bits, w_bits):
-    """Validate shapes, widths and finiteness; return (x_bits, packed, scale_bits) as arrays."""
+    """Validate shapes and widths; return (x_bits, packed, scale_bits) as arrays."""
     check_act_bits(act_bits)
     check_weight_bits(w_bits)
     x_format = float_format(x_format)
@@ -132,8 +155,6 @@ def check_linear_inputs(x_bits, x_format, weight_packed, scale_bits, act_bits, w
     if scale_bits.shape != (n, k // GROUP_SIZE):
         raise ShapeError(
             f"weight_scale has shape {scale_bits.shape}, expected [{n}, {k // GROUP_SIZE}]")
-    check_finite(x_bits, x_format, "x")
-    check_finite(scale_bits, BFLOAT16, "weight_scale")
     return x_bits, packed, scale_bits
 
 
@@ -143,10 +164,16 @@ def check_linear_inputs(x_bits, x_format, weight_packed, scale_bits, act_bits, w
 
 def reference_linear(x_bits, x_format, weight_packed, scale_bits, *, act_bits: int = 16,
                      out_format=None, w_bits: int = 4) -> np.ndarray:
-    """The contract, vectorized in int64 with a Python-int fallback per weight row."""
+    """The contract, vectorized in int64 with a Python-int fallback per weight row; the
+    canonical NaN in every output of a non-finite row of x or of scales (non_finite)."""
     x_bits, packed, scale_bits = check_linear_inputs(
         x_bits, x_format, weight_packed, scale_bits, act_bits, w_bits)
     out_format = float_format(out_format or x_format)
+    x_bits, scale_bits, bad_rows, bad_weight_rows = non_finite(x_bits, x_format, scale_bits)
+    if bad_rows.any() or bad_weight_rows.any():
+        out = reference_linear(x_bits, x_format, packed, scale_bits, act_bits=act_bits,
+                               out_format=out_format, w_bits=w_bits)
+        return with_nans(out, bad_rows, bad_weight_rows, out_format)
     k = x_bits.shape[1]
     groups = k // GROUP_SIZE
     qa, e_r = quantize_activations(x_bits, x_format, act_bits)
