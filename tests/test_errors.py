@@ -279,3 +279,22 @@ def test_a_non_finite_scale_written_in_place_is_nan_or_named_when_strict():
     with pytest.raises(NonFiniteError, match=r"^weight_scale has 1 non-finite value\(s\); the "
                                              r"first at index \(1, 0\)"):
         layer(x)
+
+
+def test_a_non_finite_scale_in_a_slow_row_is_nan_too():
+    """A row whose other scales spread past every fast kernel (a slow row, from `wide`): its
+    NaN scale gives its outputs NaN as well, and the other rows keep their bits."""
+    scales = torch.full((3, 2), 1.0, dtype=torch.bfloat16)
+    scales[1, 0] = 2.0**100
+    layer = PackedInt4Linear(64, 3, kernel="vnni-limbs" if "vnni-limbs" in available_paths()
+                             else None)
+    layer.load_state_dict({"weight_packed": torch.randint(-2**31, 2**31 - 1, (3, 8),
+                                                          dtype=torch.int32),
+                           "weight_scale": scales, "weight_shape": layer.weight_shape})
+    x = torch.randn(2, 64)
+    before = tensor_to_bits(layer(x))
+    assert layer.certificate.slow_rows.tolist() == [1]
+    layer.weight_scale[1, 1] = float("nan")
+    after = tensor_to_bits(layer(x))
+    assert (after[:, 1] == float_format("float32").nan_bits).all()
+    assert (after[:, [0, 2]] == before[:, [0, 2]]).all()

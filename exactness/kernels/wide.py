@@ -15,10 +15,11 @@ from __future__ import annotations
 import torch
 
 from .. import dataflow
-from ..contract import GROUP_SIZE, FloatFormat, float_format
+from ..contract import BFLOAT16, GROUP_SIZE, FloatFormat, float_format
 from ..formats import (
     bits_to_tensor,
     check_finite,
+    finite_mask,
     float_bits,
     round_scaled,
     split_scales,
@@ -48,8 +49,9 @@ class WideRows:
         if key not in self._rows:
             scale = self.weights.scale.cpu()
             q = self.weights.q(rows)
-            ms, shift, emin, _ = split_scales(float_bits(
-                scale if rows is None else scale[rows.cpu()]))
+            bits = float_bits(scale if rows is None else scale[rows.cpu()])
+            # a non-finite scale as 0: its row's outputs are NaN (the certificate's nan_rows)
+            ms, shift, emin, _ = split_scales(torch.where(finite_mask(bits, BFLOAT16), bits, 0))
             self._rows[key] = (q.view(q.shape[0], -1, GROUP_SIZE), ms.to(torch.int64),
                                shift.to(torch.int64), emin)
         return self._rows[key]
