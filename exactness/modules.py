@@ -364,15 +364,13 @@ class _PackedExactLinear(nn.Module):
         bad_rows = None
         if family == "triton":  # on the device: nothing read back (contract v1.2)
             x2, bad_rows = self._finite_rows(x2)
+        try:  # the CPU kernels find a non-finite x as they quantize: no pass of its own
             y = chosen.kernel.run(x2, weights, prepared, out_format)
-        else:
-            try:  # the CPU kernels find a non-finite x as they quantize: no pass of its own
-                y = chosen.kernel.run(x2, weights, prepared, out_format)
-            except NonFiniteError:
-                if self.strict:
-                    raise
-                x2, bad_rows = self._finite_rows(x2)
-                y = chosen.kernel.run(x2, weights, prepared, out_format)
+        except NonFiniteError:
+            if self.strict or bad_rows is not None:
+                raise
+            x2, bad_rows = self._finite_rows(x2)
+            y = chosen.kernel.run(x2, weights, prepared, out_format)
         slow = weights.certificate.slow_rows
         if slow.numel() and chosen.kernel is not WIDE:  # spreads no fast kernel holds
             y[:, slow.to(x.device)] = linear_rows(x2, weights, slow, out_format,

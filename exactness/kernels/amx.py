@@ -173,9 +173,7 @@ def amx_spans(weights: native.NativeWeights) -> AmxSpans:
         length = torch.where(fits, length + 1, 1)
     ends[:, -1] = True
     lows[..., -1] = span_low
-    last = torch.where(ends, torch.arange(groups), groups)  # each group's span: the next end
-    end_of = last.flip(1).cummin(1).values.flip(1)
-    low = torch.gather(lows, 2, end_of[:, None, :].expand(nb, 16, groups))
+    low = native.at_span_ends(lows, ends)
     base = torch.where(low == never, 0, low.double().log2().round().to(torch.int64))  # exact
     f = c >> base
     rows = torch.tensor(native.LANE_ROWS).argsort()  # each row's lane

@@ -16,6 +16,7 @@ machine, not once per process. A timeout is not cached: a loaded machine may pas
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import importlib.util
@@ -75,10 +76,16 @@ def run(file: Path, digest: str, check: str, build: str, machine: str) -> FirstR
 
 def _key(digest: str, check: str, machine: str) -> str:
     """What a verdict depends on: the library's bytes, the CPU, and the code that checks it."""
+    return hashlib.sha256("\0".join((digest, check, machine, _code(check))).encode()
+                          ).hexdigest()[:16]
+
+
+@functools.cache
+def _code(check: str) -> str:
+    """The source of this module and of the check's: read once per process, not per build."""
     module = check.partition(":")[0]
-    code = "".join(Path(path).read_text() for path in (
+    return "".join(Path(path).read_text() for path in (
         __file__, importlib.util.find_spec(module).origin))
-    return hashlib.sha256("\0".join((digest, check, machine, code)).encode()).hexdigest()[:16]
 
 
 def _child(file: Path, digest: str, check: str, build: str) -> tuple[FirstRun, bool]:

@@ -478,14 +478,20 @@ def span_scales(c: torch.Tensor, w: torch.Tensor, k: int):
     ends[:, -1] = True
     divisor[..., -1] = span_div
     divisor = torch.where((divisor == never) | unshifted[:, None, None], 1, divisor)
-    # each group's span is the first end at or after it
-    last = torch.where(ends, torch.arange(groups), groups)
-    end_of = last.flip(1).cummin(1).values.flip(1)
     base = divisor.log2().round().to(torch.int64)  # exact: powers of two below 2**40
-    f = c >> torch.gather(base, 2, end_of[:, None, :].expand(nb, 16, groups))
+    f = c >> at_span_ends(base, ends)
     return (f[:, LANE_ROWS].transpose(1, 2).to(torch.int16).contiguous(),
             (32 - base).transpose(1, 2).to(torch.int8).contiguous(),
             ends.to(torch.uint8).contiguous(), unshifted.to(torch.uint8).contiguous())
+
+
+def at_span_ends(values: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+    """values [Nb, 16, G] as each group's span holds them at its end: per block, each group's
+    span is the first end (ends [Nb, G] true) at or after it. (span_scales', amx.amx_spans'.)"""
+    nb, rows, groups = values.shape
+    last = torch.where(ends, torch.arange(groups), groups)
+    end_of = last.flip(1).cummin(1).values.flip(1)
+    return torch.gather(values, 2, end_of[:, None, :].expand(nb, rows, groups))
 
 
 def quantize_mode(act_bits: int, words: bool) -> int:
