@@ -3,9 +3,12 @@
 For each Kimi shape and batch M, both are timed in the same process, alternating call by call,
 median of repeats; the table reports the ratio exact / bf16 (<= 1.0: the exact path is no slower).
 The baseline is torch's bf16 matmul on a weight dequantized once, ahead of time, to bf16.
-The check column is the part of each forward that compares the buffers with the layer's copy of
-them, bit for bit (so that a write through any door is seen: docs/PERFORMANCE.md), timed alone.
-Memory: the layer's bytes (checkpoint buffers + derived tensors) against the packed bytes.
+The checks column is the part of each forward that checks the buffers a kernel can read
+(`layer.weights()`: types, shapes, weight_shape's values), timed alone.
+Memory, for every CPU kernel that runs here: what the layer holds besides its buffers (nothing:
+the kernels read the buffers in place), the layer against the checkpoint's bytes, and what one
+forward derives and frees (the C kernel's per-row outputs and each thread's block of rows; the
+slower paths' layouts).
 """
 
 from __future__ import annotations
@@ -68,10 +71,9 @@ def main() -> int:
     torch.manual_seed(0)
     lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
              f"median of {args.repeats}, scales over {args.binades} binades per row", "",
-             "| shape | act_bits | M | exact ms | bf16 ms | ratio exact/bf16 | check ms | "
-             "check/exact |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| shape | act_bits | M | exact ms | bf16 ms | ratio exact/bf16 | checks ms | "
+             "checks/exact |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     print("\n".join(lines), flush=True)
-    memory = []
     for name, (k, n) in SHAPES.items():
         for act_bits in args.act_bits:
             layer = kimi_layer(k, n, act_bits, binades=args.binades)
@@ -84,20 +86,43 @@ def main() -> int:
                         f"{exact / bf16:.2f} | {check * 1e3:.2f} | {check / exact:.2f} |")
                 lines.append(line)
                 print(line, flush=True)
-            packed = layer.weight_packed.numel() * 4 + layer.weight_scale.numel() * 2
-            memory.append(f"| {name} | {act_bits} | {packed / 2**20:.2f} | "
-                          f"{layer.derived_nbytes() / 2**20:.2f} | "
-                          f"{(packed + layer.derived_nbytes()) / packed:.2f} | "
-                          f"{w.numel() * 2 / 2**20:.2f} |")
-    lines += ["", "| shape | act_bits | packed+scales MiB | derived MiB | layer / packed | "
-              "bf16 weight MiB |", "| --- | --- | --- | --- | --- | --- |", *memory]
-    print("\n".join(lines[-len(memory) - 3:]))
+    memory = memory_table()
+    lines += ["", *memory]
+    print("\n".join(memory), flush=True)
     amx_lines = amx_table(args)
     lines += ["", *amx_lines]
     print("\n".join(amx_lines), flush=True)
     Path(args.out).parent.mkdir(exist_ok=True)
     Path(args.out).write_text("\n".join(lines) + "\n")
     return 0
+
+
+def memory_table(act_bits: int = 16) -> list[str]:
+    """Each CPU kernel that runs here, at both Kimi shapes: the layer's bytes (buffers and all it
+    holds) against the checkpoint's three tensors, and the bytes one forward derives and frees."""
+    from exactness.kernels import REGISTRY
+    from exactness.suite.paths import unavailable
+
+    lines = [f"Memory, act_bits {act_bits}: the layer / the checkpoint's bytes, for every CPU "
+             f"kernel that runs here", "",
+             "| shape | kernel | checkpoint MiB | held besides the buffers MiB | layer / "
+             "checkpoint | one forward derives MiB (freed) | bf16 weight MiB |",
+             "|" + " --- |" * 7]
+    for name, (k, n) in SHAPES.items():
+        for kernel in REGISTRY:
+            if kernel.family != "cpu" or kernel.grouped or unavailable(kernel.name):
+                continue
+            layer = kimi_layer(k, n, act_bits, kernel=kernel.name)
+            layer(torch.randn(1, k).bfloat16())
+            buffers = sum(b.numel() * b.element_size() for b in layer.buffers())
+            held = buffers + layer.derived_nbytes() + sum(
+                v.numel() * v.element_size() for v in vars(layer).values()
+                if isinstance(v, torch.Tensor))
+            per_forward = getattr(layer.prepared(kernel), "nbytes", 0)
+            lines.append(f"| {name} | {kernel.name} | {buffers / 2**20:.2f} | "
+                         f"{(held - buffers) / 2**20:.2f} | {held / buffers:.2f} | "
+                         f"{per_forward / 2**20:.2f} | {n * k * 2 / 2**20:.2f} |")
+    return lines
 
 
 def amx_table(args) -> list[str]:

@@ -4,8 +4,8 @@ and against the exact per-expert loop (transformers' loop over the exact layers)
 
 The three alternate call by call, the same tokens and routing, medians. Routing: each token's 8
 experts drawn at random among E, so that at T = 128 with E = 64 every expert has about 16 rows.
-The check column is the part of the grouped call that compares the routed experts' buffers with
-their layers' copies (docs/PERFORMANCE.md, the buffer check), timed alone.
+The checks column is the part of the grouped call that checks the routed experts' buffers are
+readable (each layer's `weights()`), timed alone.
 
     .venv/bin/python -m bench.bench_moe [--experts 64] [--tokens 1 16 128 1024]
 """
@@ -92,7 +92,7 @@ def main() -> int:
              f"{torch.get_num_threads()} threads; {args.experts} experts of {HIDDEN} -> "
              f"{INTER}, top-{TOP_K}, act_bits {args.act_bits}; medians", "",
              "| T | grouped ms | per-expert ms | bf16 ms | grouped / bf16 | "
-             "grouped / per-expert | check ms |",
+             "grouped / per-expert | checks ms |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     print("\n".join(lines), flush=True)
     for t in args.tokens:
@@ -104,7 +104,7 @@ def main() -> int:
         assert torch.equal(exact(x, ids, weights), want), "the grouped call differs"
         grouped, loop, base, check = side_by_side(
             [lambda: exact(x, ids, weights), lambda: exact.per_expert(x, ids, weights),
-             lambda: bf16(x, ids, weights), lambda: [layer._derive() for layer in layers]],
+             lambda: bf16(x, ids, weights), lambda: [layer.weights() for layer in layers]],
             REPEATS.get(t, 3))
         line = (f"| {t} | {grouped * 1e3:.1f} | {loop * 1e3:.1f} | {base * 1e3:.1f} | "
                 f"{grouped / base:.2f} | {grouped / loop:.2f} | {check * 1e3:.1f} |")

@@ -237,5 +237,5 @@ def max_folded_spread(w_bits: int) -> int:
 def certified_spread(k: int, w_bits: int, act_bits: int,
                      acc_bits: int = COMBINE_ACC_BITS) -> int:
     """The largest scale-exponent spread of a weight row that the fast paths take: its combine
-    fits `acc_bits` and its folded weights MAX_WEIGHT_LIMBS digits (modules.certify)."""
+    fits `acc_bits` and its folded weights MAX_WEIGHT_LIMBS digits (certificate.certify)."""
     return min(max_safe_spread(k, w_bits, act_bits, acc_bits), max_folded_spread(w_bits))

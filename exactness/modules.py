@@ -2,22 +2,21 @@
 `ExactLinear` (ordinary weights quantized onto the same exact path, 4 or 8 bits).
 
 Persistent state is exactly the checkpoint's keys: `weight_packed`, `weight_scale`,
-`weight_shape`. Everything derived from them (the certificate, each kernel's layout) is derived
-from a private copy of the buffers, which each forward compares with the buffers bit for bit: a
-write through any door (`param.data.copy_`, a numpy view, a reassigned attribute) is seen at the
-next forward, never computed past. The derived data is never saved.
+`weight_shape`, and nothing else is held. Each forward reads the buffers as they are: the kernels
+read `weight_packed` and `weight_scale` in place, and derive what they need of the scales as
+they run (the C kernel per block of rows, the GPU's per program) or per forward (the slower
+paths). So a write through any door (`param.data.copy_`, a numpy view, a reassigned attribute)
+is seen at the next forward, with no copy to compare and nothing to invalidate.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import threading
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from . import dataflow
 from .contract import (
     BFLOAT16,
     DEFAULT_ACT_BITS,
@@ -32,88 +31,13 @@ from .contract import (
     check_weight_bits,
     float_format,
 )
-from .formats import (
-    bits_to_tensor,
-    check_finite,
-    finite_mask,
-    float_bits,
-    pack_weights,
-    split_scales,
-    zero_word,
-)
+from .formats import bits_to_tensor, check_finite, float_bits, pack_weights, zero_word
 from .kernels import REGISTRY, Kernel, Plan, Weights, plan, triton_exact
+from .kernels.certificate import Certificate, certify  # noqa: F401 (the layer's API)
 from .kernels.registry import ENV, by_name
 from .kernels.wide import WIDE, linear_rows
 
 BACKENDS = ("auto", "cpu", "triton")
-
-
-@dataclass
-class Certificate:
-    """What the fast paths need of the scales, and which weight rows they hold exactly.
-
-    A row is fast when its scale-exponent spread is within dataflow.certified_spread (the int64
-    combine and the folded weights' digits both hold it); other rows take the exact reference
-    path.
-    """
-
-    emin: torch.Tensor  # [N] int64: least exponent of the row's nonzero scales (0 if none)
-    spread: torch.Tensor  # [N] int64
-    factor: torch.Tensor  # [N, G] int32: ms << (es - emin), 0 on slow rows (dataflow step 3)
-    fast: torch.Tensor  # [N] bool
-    spread_limit: int
-    slow_rows: torch.Tensor  # [N_slow] int64, the rows not fast (found once, not per forward)
-    fast_spread: int  # the largest spread of a fast row (0 if none): the folded digits it needs
-    # [N_nan] int64 (CPU): rows holding a non-finite scale, written in place after loading. Their
-    # scales count as 0 here, and their outputs are the canonical NaN (contract v1.2, section 2)
-    nan_rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.int64))
-
-    def summary(self) -> dict:
-        return {"rows": int(self.fast.numel()), "fast_rows": int(self.fast.sum()),
-                "slow_rows": int((~self.fast).sum()), "max_spread": int(self.spread.max()),
-                "spread_limit": self.spread_limit, "nan_rows": int(self.nan_rows.numel())}
-
-
-def certify(weight_scale: torch.Tensor, k: int, w_bits: int, act_bits: int) -> Certificate:
-    bits = float_bits(weight_scale)
-    finite = finite_mask(bits, BFLOAT16)
-    ms, shift, emin, spread = split_scales(torch.where(finite, bits, 0))
-    limit = dataflow.certified_spread(k, w_bits, act_bits)
-    fast = spread <= limit
-    # an int32 for every certified spread (proved: scale-factor)
-    keep = fast[:, None]
-    factor = torch.where(keep, ms.to(torch.int64) << torch.where(keep, shift, 0), 0)
-    return Certificate(emin, spread, factor.to(torch.int32), fast, limit,
-                       torch.nonzero(~fast).flatten().cpu(),
-                       int(torch.where(fast, spread, 0).max()) if spread.numel() else 0,
-                       torch.nonzero(~finite.all(dim=1)).flatten().cpu())
-
-
-@dataclass
-class Derived:
-    """What a forward reads besides x, derived from one private copy of the buffers (`weights`
-    holds the copies, so no write to the buffers reaches a kernel mid-forward), kept until the
-    buffers or the widths differ from it."""
-
-    weights: Weights
-    widths: tuple  # (bits, act_bits, strict) it was derived for
-    layouts: dict = field(default_factory=dict)  # each kernel layout's prepared data
-    plans: dict = field(default_factory=dict)  # forward's plans by (family, device, rows, ...)
-
-    def holds(self, packed: torch.Tensor, scale: torch.Tensor, widths: tuple) -> bool:
-        return (widths == self.widths and same_bits(packed, self.weights.packed)
-                and same_bits(scale, self.weights.scale))
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether a and b hold the same bits (not values: -0.0 and +0.0 differ, a NaN equals
-    itself), compared as int64 words where the size allows (the fastest compare)."""
-    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
-        return False
-    flat_a, flat_b = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
-    if flat_a.numel() % 8 == 0:
-        flat_a, flat_b = flat_a.view(torch.int64), flat_b.view(torch.int64)
-    return torch.equal(flat_a, flat_b)
 
 
 def check_buffer(name: str, t, shape: tuple, dtypes: tuple) -> None:
@@ -130,9 +54,6 @@ def check_buffer(name: str, t, shape: tuple, dtypes: tuple) -> None:
     if not t.is_contiguous():
         raise ContractValueError(f"{name} must be contiguous (the kernels read it row by row), "
                                  f"got strides {t.stride()}")
-
-
-_DERIVING = threading.Lock()  # one derivation at a time: first use from many threads
 
 
 class _PackedExactLinear(nn.Module):
@@ -162,7 +83,7 @@ class _PackedExactLinear(nn.Module):
                              act_bits=act_bits, bits=bits, out_dtype=out_dtype, backend=backend,
                              kernel=kernel,  # None: the plan picks (or EXACTNESS_KERNEL)
                              strict=strict,  # a non-finite x or scale raises (v1's rule)
-                             _derived=None)
+                             _plans={})  # the forward's plans (they read no buffer)
         n, k = out_features, in_features
         # zero weights until a checkpoint loads: one fill, nothing on device="meta"
         self.register_buffer("weight_packed", torch.full(
@@ -240,84 +161,49 @@ class _PackedExactLinear(nn.Module):
         return self
 
     def __getstate__(self) -> dict:
-        # derived data is a cache (the CPU kernels' hold ctypes pointers, which cannot be
-        # pickled): a copy or a pickle rebuilds it from the buffers on first use
-        return {**self.__dict__, "_derived": None}
+        return {**self.__dict__, "_plans": {}}  # plans are a cache, rebuilt on first use
+
+    def weights(self) -> Weights:
+        """What a kernel reads besides x, for one forward: the live buffers (checked readable,
+        never copied), the widths, and the scales' certificate on first ask."""
+        packed, scale = self._readable_buffers()
+        check_weight_bits(self.bits)
+        check_act_bits(self.act_bits)
+        return Weights(packed, scale, self.out_features, self.in_features, self.bits,
+                       self.act_bits)
 
     @property
     def certificate(self) -> Certificate:
-        return self._derive().weights.certificate
-
-    def _derive(self) -> Derived:
-        """The derived data of the buffers as they are now: kept if they hold the same bits as
-        its copies (the cost of a compare of the buffers' bytes), else derived again."""
-        packed, scale = self._readable_buffers()
-        widths = (self.bits, self.act_bits, self.strict)  # what the derivation depends on
-        derived = self._derived
-        if derived is not None and derived.holds(packed, scale, widths):
-            return derived
-        with _DERIVING:
-            derived = self._derived
-            if derived is not None and derived.holds(packed, scale, widths):
-                return derived  # another thread derived it meanwhile
-            check_weight_bits(self.bits)
-            check_act_bits(self.act_bits)
-            if self.strict:  # else its rows' outputs are NaN (certify's nan_rows)
-                check_finite(float_bits(scale), BFLOAT16, "weight_scale")
-            packed, scale = packed.clone(), scale.clone()
-            certificate = certify(scale, self.in_features, self.bits, self.act_bits)
-            self._derived = Derived(Weights(packed, scale, self.out_features, self.in_features,
-                                            self.bits, self.act_bits, certificate), widths)
-            return self._derived
+        """The scales' certificate as they are now (derived on each call: nothing is kept)."""
+        return self.weights().certificate
 
     def process_weights_after_loading(self) -> None:
-        """Derives now what the first forward would (vLLM's hook, called after its weight
-        loaders write the buffers): the certificate, a refusal of a non-finite scale, and the
-        layout of the kernel a forward on the buffers' device takes."""
-        derived = self._derive()
-        device = derived.weights.packed.device
+        """vLLM's hook, called after its weight loaders write the buffers: checks them as a
+        forward would (readable; a strict layer refuses a non-finite scale) and builds the
+        kernels a forward on their device takes. Nothing derived is kept, and no layout
+        replaces the checkpoint's: every kernel reads the buffers in place or per forward."""
+        weights = self.weights()
+        if self.strict:
+            check_finite(float_bits(weights.scale), BFLOAT16, "weight_scale")
+        device = weights.packed.device
         family = "triton" if self.backend == "triton" or device.type == "cuda" else "cpu"
-        for rows in (1, 128):  # decode and prefill may take kernels of two layouts
-            chosen = self._plan(family, device, rows, derived)
-            self._prepared(chosen.kernel, derived)
-
-    def weights(self) -> Weights:
-        """What a kernel reads besides x: copies of the buffers, the widths, the certificate."""
-        return self._derive().weights
+        for rows in (1, 128):  # decode and prefill may take two kernels: each built and checked
+            self._plan(family, device, rows, weights).kernel.available(device)
 
     def prepared(self, kernel: str | Kernel):
-        """`kernel`'s derived data for these weights (by name or kernel), built on first use and
-        shared by the kernels of one layout."""
+        """What `kernel` derives for one forward of these weights (by name or kernel): the C
+        kernel's in-place view, a slower path's layout. Not kept."""
         kernel = by_name(REGISTRY, kernel) if isinstance(kernel, str) else kernel
-        return self._prepared(kernel, self._derive())
-
-    @staticmethod
-    def _prepared(kernel: Kernel, derived: Derived):
-        if kernel.layout not in derived.layouts:
-            derived.layouts[kernel.layout] = kernel.prepare(derived.weights)
-        return derived.layouts[kernel.layout]
+        return kernel.prepare(self.weights())
 
     def gpu_weights(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """The Triton kernels' (factor, offset_sums, emin) on `device`, built on first use."""
-        return triton_exact.gpu_weights(self.weights(), self.prepared(triton_exact.GROUP),
-                                        device)
+        """The Triton group kernel's (factor, offset_sums, emin) on `device`, for one forward."""
+        return triton_exact.gpu_weights(self.weights(), device)
 
     def derived_nbytes(self) -> int:
-        """Bytes of derived tensors held now: the buffers' copies, the certificate, each kernel's
-        derived weights (a tensor the GPU's tuple shares with the certificate, on its device,
-        counted once)."""
-        derived = self._derive()
-        cert, weights = derived.weights.certificate, derived.weights
-        tensors = {t.data_ptr(): t for t in (weights.packed, weights.scale, cert.emin,
-                                             cert.spread, cert.factor, cert.fast)}
-        layouts = 0
-        for layout in derived.layouts.values():
-            if isinstance(layout, dict):  # the Triton kernels': a tuple per device
-                tensors.update((t.data_ptr(), t) for per_device in layout.values()
-                               for t in per_device)
-            elif layout is not None:
-                layouts += layout.nbytes
-        return layouts + sum(t.numel() * t.element_size() for t in tensors.values())
+        """Bytes held between forwards besides the buffers: none (the kernels read the buffers
+        in place; what a forward derives, `prepared(kernel).nbytes`, goes with it)."""
+        return 0
 
     # ----------------------------------------------------------------- forward
 
@@ -329,38 +215,40 @@ class _PackedExactLinear(nn.Module):
         return "cpu"
 
     def plan(self, x: torch.Tensor) -> Plan:
-        """The kernel a forward of x takes, and why (print it to read the reasons); an x the
-        forward refuses gets its typed error here too."""
-        derived = self._derive()
-        x2, _ = self._checked(x, derived.weights.packed.device)
-        return self._plan(self._family(x2), x2.device, x2.shape[0], derived)
+        """The kernel a forward of x takes, and why (print it to read the reasons), with the slow
+        rows the scales have now; an x the forward refuses gets its typed error here too."""
+        weights = self.weights()
+        x2, _ = self._checked(x, weights.packed.device)
+        chosen = self._plan(self._family(x2), x2.device, x2.shape[0], weights)
+        slow = int(weights.certificate.slow_rows.numel()) if chosen.kernel is not WIDE else 0
+        return dataclasses.replace(chosen, slow_rows=slow)
 
-    def _plan(self, family: str, device: torch.device, rows: int, derived: Derived) -> Plan:
-        # a plan depends on nothing else (the C kernel's and _int_mm's checks are the process's)
-        key = (family, device, rows, self.kernel, os.environ.get(ENV))
-        plans = derived.plans
+    def _plan(self, family: str, device: torch.device, rows: int, weights: Weights) -> Plan:
+        # a plan depends on the widths alone, never the buffers' values (the C kernel's and
+        # _int_mm's checks are the process's)
+        key = (family, device, rows, self.kernel, os.environ.get(ENV), self.bits, self.act_bits)
+        plans = self._plans
         if key not in plans:
             if len(plans) > 64:  # many batch sizes: keep the cache small
                 plans.clear()
-            plans[key] = plan(REGISTRY, family, device, rows, derived.weights, self.kernel)
+            plans[key] = plan(REGISTRY, family, device, rows, weights, self.kernel)
         return plans[key]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Check the buffers, plan, run, splice the slow rows."""
+        """Read the buffers, plan, run, splice the slow rows and the NaN rows."""
         if torch.jit.is_tracing():
             raise ContractValueError(
                 "the exact layers cannot be traced by torch.jit.trace: their kernels write the "
                 "output where the tracer does not see it, so a trace would replay uninitialised "
                 "memory; call the layer eagerly")
-        derived = self._derive()  # before x: a bad buffer is named even for an empty x
-        x2, out_format = self._checked(x, derived.weights.packed.device)
+        weights = self.weights()  # before x: a bad buffer is named even for an empty x
+        x2, out_format = self._checked(x, weights.packed.device)
         if x2.shape[0] == 0:
             return torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype
                                if self.out_dtype is None else self.out_dtype, device=x.device)
-        weights = derived.weights
         family = self._family(x2)
-        chosen = self._plan(family, x2.device, x2.shape[0], derived)
-        prepared = self._prepared(chosen.kernel, derived)
+        chosen = self._plan(family, x2.device, x2.shape[0], weights)
+        prepared = chosen.kernel.prepare(weights)
         bad_rows = None
         if family == "triton":  # on the device: nothing read back (contract v1.2)
             x2, bad_rows = self._finite_rows(x2)
@@ -371,14 +259,16 @@ class _PackedExactLinear(nn.Module):
                 raise
             x2, bad_rows = self._finite_rows(x2)
             y = chosen.kernel.run(x2, weights, prepared, out_format)
-        slow = weights.certificate.slow_rows
+        slow, nan_rows = weights.rows_apart()  # as the kernel found them, or the certificate
+        if self.strict and nan_rows.numel():  # v1's rule: a non-finite scale raises
+            check_finite(float_bits(weights.scale), BFLOAT16, "weight_scale")
         if slow.numel() and chosen.kernel is not WIDE:  # spreads no fast kernel holds
             y[:, slow.to(x.device)] = linear_rows(x2, weights, slow, out_format,
-                                                  self._prepared(WIDE, derived))
+                                                  WIDE.prepare(weights))
         if bad_rows is not None:
             y = y.masked_fill_(bad_rows[:, None], float("nan"))
-        if weights.certificate.nan_rows.numel():
-            y = y.index_fill_(1, weights.certificate.nan_rows.to(y.device), float("nan"))
+        if nan_rows.numel():
+            y = y.index_fill_(1, nan_rows.to(y.device), float("nan"))
         if x.requires_grad and torch.is_grad_enabled():
             y = _NoBackward.apply(x, y)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)

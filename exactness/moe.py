@@ -13,9 +13,10 @@ non-finite input of either projection, a non-finite scale written in place, an e
 differ from the others' in widths, a forced per-layer kernel, and no grouped kernel here (a
 warning says why, once).
 
-On the CPU the grouped kernel reads each routed expert's derived data, after the check of its
-buffers a layer's forward makes (exactness.modules). On the GPU it reads every expert's live
-buffers through a table of their addresses and derives the scales' factors as it goes. No data
+On the CPU the grouped kernel reads each routed expert's live buffers in place, after the checks
+a layer's forward makes (exactness.modules), and derives the scales' factors per block as it
+goes; it reports the slow rows and the non-finite scales it met. On the GPU it reads every
+expert's live buffers through a table of their addresses and derives the factors as it goes. No data
 is kept there that a write could leave stale, and nothing is read back between the launches. One
 read-back at the end says whether the per-expert loop must run instead: a non-finite input, a
 scale spread no fast kernel holds, a non-finite scale, a wrong weight_shape or an expert id out
@@ -140,7 +141,7 @@ def experts_forward(experts: Sequence[nn.Module], act_fn: Callable, x: torch.Ten
                          f"{tuple(top_k_index.shape)} and top_k_weights "
                          f"{tuple(top_k_weights.shape)} disagree on tokens or top_k")
     # the GPU's kernel reads nothing back: a refused id is counted, and read with the rest
-    routing = route(top_k_index, len(layers), check=chosen.kernel.reads == "derived")
+    routing = route(top_k_index, len(layers), check=chosen.kernel.reads == "layers")
     gate_up, down = [parts[:2] for parts in layers], [parts[2:] for parts in layers]
     workspace = WORKSPACE if x.device.type == "cpu" else None
     try:
@@ -236,11 +237,11 @@ def _consistent(layers, experts: Sequence[int]) -> bool:
 
 def _project(kernel, layers, x: torch.Tensor, routing: Routing, gather: bool, workspace=None):
     """(y as `projection` gives it, in `workspace` where given; trouble to read back or None), or
-    (None, None) where the experts differ in widths. A kernel that reads derived data (the
-    CPU's): each routed expert's buffers checked, its slow rows spliced in from `wide` (as a
-    layer's forward), a non-finite x raised. One that reads buffers (the GPU's): nothing read
+    (None, None) where the experts differ in widths. A kernel that reads layers (the CPU's): each
+    routed expert's buffers checked and read in place, its slow rows spliced in from `wide` (as
+    a layer's forward), a non-finite x raised. One that reads buffers (the GPU's): nothing read
     back, trouble counts what needs the per-expert path (grouped_launch)."""
-    offsets = routing.offsets.tolist() if kernel.reads == "derived" else None
+    offsets = routing.offsets.tolist() if kernel.reads == "layers" else None
     experts = [e for e in range(routing.experts) if offsets[e + 1] > offsets[e]] \
         if offsets is not None else range(routing.experts)
     first = layers[experts[0]][0] if experts else layers[0][0]
@@ -257,25 +258,24 @@ def _project(kernel, layers, x: torch.Tensor, routing: Routing, gather: bool, wo
                                      f"one")
         return kernel.run_grouped(x, routing, buffers, first.bits, first.act_bits, out_format,
                                   gather, workspace)
-    derived = {e: [layer._derive() for layer in layers[e]] for e in experts}  # buffer checks
-    if any(d.weights.packed.device != x.device for e in experts for d in derived[e]):
+    weights = {e: [layer.weights() for layer in layers[e]] for e in experts}  # buffer checks
+    if any(w.packed.device != x.device for e in experts for w in weights[e]):
         raise ContractValueError(f"x is on {x.device}, an expert's buffers elsewhere: move one")
-    if any(d.weights.certificate.nan_rows.numel() for e in experts for d in derived[e]):
-        return None, None  # a non-finite scale written in place: the loop's NaN rows
     items = [None] * routing.experts
     for e in experts:
-        items[e] = [(d.weights, layer._prepared(kernel, d))
-                    for layer, d in zip(layers[e], derived[e], strict=True)]
+        items[e] = [(w, kernel.prepare(w)) for w in weights[e]]
     y, _ = kernel.run_grouped(x, routing, items, first.bits, first.act_bits, out_format, gather,
                               workspace)
+    found = {e: [prepared.found() for _, prepared in items[e]] for e in experts}
+    if any(nan.numel() for e in experts for _, nan in found[e]):
+        return None, None  # a non-finite scale written in place: the loop's NaN rows
     for e in experts:  # the slow rows of each expert, from `wide` (as a layer's forward)
-        for p, (layer, d) in enumerate(zip(layers[e], derived[e], strict=True)):
-            slow = d.weights.certificate.slow_rows
+        for p, (w, (slow, _)) in enumerate(zip(weights[e], found[e], strict=True)):
             if slow.numel():
                 rows = slice(offsets[e], offsets[e + 1])
                 source = x[routing.token[rows]] if gather else x[rows]
                 y[rows, p * first.out_features + slow] = linear_rows(
-                    source, d.weights, slow, out_format, layer._prepared(WIDE, d))
+                    source, w, slow, out_format, WIDE.prepare(w))
     return y, None
 
 

@@ -17,7 +17,6 @@ from exactness.dataflow import act_limbs, activation_limbs
 from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits, torch_dtype
 from exactness.kernels import REGISTRY, KernelUnavailableError, native, triton_exact
 from exactness.kernels.registry import no
-from exactness.modules import same_bits
 from exactness.suite.cases import LinearCase, load_vectors
 from exactness.suite.counterexamples import check_bits
 from exactness.suite.paths import (
@@ -154,9 +153,9 @@ def test_span_bounds_attacked_one_chain_at_a_time(chain, factor):
 
 @pytest.mark.parametrize("edge", [-9, -8, 7, 8])
 def test_the_c_layout_chosen_from_the_weights_range_at_its_edges(edge):
-    """8-bit weights every one of which fits 4 bits take the C kernel's nibble layout; one
-    weight just past either end of [-8, 7] takes the byte layout. Weights at each edge, just
-    inside and just outside, on both C paths."""
+    """8-bit weights every one of which fits 4 bits take the derived layout's nibbles; one
+    weight just past either end of [-8, 7] takes its bytes (read in place, 8-bit words are
+    always bytes). Weights at each edge, just inside and just outside, on every C path."""
     skip_unless_here("vnni-limbs")
     rng = np.random.default_rng(edge + 9)
     m, k, n = 5, 64, 16
@@ -167,8 +166,8 @@ def test_the_c_layout_chosen_from_the_weights_range_at_its_edges(edge):
                       8, BFLOAT16, 8)
     for path in ("vnni-limbs", "vnni-grouped"):
         check_path(case, path)
-    layer = layer_for(case, "vnni-limbs")
-    assert layer.prepared("vnni-limbs").nibbles == (-8 <= edge <= 7)
+    derived = native.NativeWeights(torch.from_numpy(q), torch.ones(n, 2, dtype=torch.int32))
+    assert derived.nibbles == (-8 <= edge <= 7)  # the derived layout's choice (amx's)
 
 
 def one_wide_group(n: int, k: int, scale: int, wide: int) -> np.ndarray:
@@ -715,30 +714,16 @@ def test_a_trace_of_the_layer_is_refused_saying_why(monkeypatch):
         layer(torch.randn(2, 64))
 
 
-def test_same_bits_compares_bits_shape_dtype_and_device():
-    """The buffer check's compare: the same bytes under another dtype or shape differ; sizes
-    that are no multiple of 8 bytes are compared byte by byte; -0.0 and +0.0 differ."""
-    t = torch.arange(-8, 8, dtype=torch.int16)
-    assert same_bits(t, t.clone())
-    assert not same_bits(t, t.view(torch.bfloat16))  # the same bytes, another dtype
-    assert not same_bits(t, t.view(4, 4))  # the same bytes, another shape
-    nine = torch.arange(9, dtype=torch.uint8)
-    assert same_bits(nine, nine.clone())
-    assert not same_bits(nine, torch.cat([nine[:8], torch.tensor([0], dtype=torch.uint8)]))
-    assert not same_bits(torch.tensor([0.0]), torch.tensor([-0.0]))
-    nan = torch.tensor([float("nan")])
-    assert same_bits(nan, nan.clone())
-
-
 @pytest.mark.parametrize("backend", ["cpu", pytest.param("triton", marks=needs_triton)])
-def test_the_loading_hook_prepares_what_decode_and_prefill_take(backend):
-    """process_weights_after_loading (vLLM's hook) builds the layouts of the kernels a forward
-    of 1 and of 128 rows takes on this backend, and no other."""
+def test_the_loading_hook_plans_decode_and_prefill_and_keeps_no_tensor(backend):
+    """process_weights_after_loading (vLLM's hook) plans the kernels a forward of 1 and of 128
+    rows takes on this backend, and the layer holds no tensor but its three buffers after it
+    (the kernels read them in place)."""
     layer = PackedInt4Linear(64, 8, backend=backend)
     layer.process_weights_after_loading()
-    taken = {layer.plan(torch.empty(rows, 64)).kernel.layout for rows in (1, 128)}
-    assert set(layer._derived.layouts) == taken
-    assert ("triton" in taken) == (backend == "triton")
+    assert {key[2] for key in layer._plans} == {1, 128}
+    assert {key[0] for key in layer._plans} == {backend}
+    assert not [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
 
 
 def test_plan_refuses_the_x_a_forward_refuses_and_counts_rows_as_it_does():
@@ -749,16 +734,17 @@ def test_plan_refuses_the_x_a_forward_refuses_and_counts_rows_as_it_does():
     for shape in ((2, 12, 64), (3, 8, 1, 64), (1, 1, 64)):  # rows: every dim but the last
         rows = int(np.prod(shape[:-1]))
         assert str(layer.plan(torch.empty(shape))) == str(layer.plan(torch.empty(rows, 64)))
-    assert layer.plan(torch.empty(2, 12, 64)).kernel.name != layer.plan(
-        torch.empty(12, 64)).kernel.name or not native.library()  # 24 rows: the span kernel
 
 
 @needs_triton
-def test_gpu_weights_are_the_triton_kernels_own(monkeypatch):
+def test_gpu_weights_are_the_live_scales_certificate():
     layer = PackedInt4Linear(64, 8, backend="triton")
-    device = torch.device("cpu")  # the interpreter's
-    layer(torch.randn(2, 64))
-    assert layer.gpu_weights(device) is layer.prepared(triton_exact.GROUP)[device]
+    layer.weight_scale.data.fill_(2.0)
+    factor, _, emin = layer.gpu_weights(torch.device("cpu"))  # the interpreter's device
+    assert torch.equal(factor, layer.certificate.factor) and (emin == layer.certificate.emin).all()
+    layer.weight_scale.data[:, 1] = 4.0  # a write: the next call's factors are the new scales'
+    assert torch.equal(layer.gpu_weights(torch.device("cpu"))[0], layer.certificate.factor)
+    assert not torch.equal(layer.certificate.factor, factor)
 
 
 def test_an_empty_x_runs_no_kernel_and_keeps_the_output_dtype(monkeypatch):
@@ -782,19 +768,20 @@ def test_the_repr_names_the_widths_the_backend_and_a_forced_kernel():
                             "backend=cpu, kernel=wide)")
 
 
-def test_derived_bytes_are_the_copies_the_certificate_and_each_layout():
-    layer = PackedInt4Linear(64, 16)
-    weights, cert = layer.weights(), layer.certificate
-    own = {t.data_ptr(): t for t in (weights.packed, weights.scale, cert.emin, cert.spread,
-                                     cert.factor, cert.fast)}
-    base = sum(t.numel() * t.element_size() for t in own.values())
-    assert layer.derived_nbytes() == base > 0
-    x = torch.randn(2, 64)
-    layer(x)
-    kernel = layer.plan(x).kernel
-    assert layer.derived_nbytes() == base + layer.prepared(kernel).nbytes > base
-    gemm = layer.prepared("int8-gemm")  # a second layout: both counted
-    assert layer.derived_nbytes() == base + layer.prepared(kernel).nbytes + gemm.nbytes
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_the_layer_holds_nothing_but_its_buffers_after_a_forward(kernel):
+    """Issue 40: no copy of the buffers and no layout beside them. After a forward on any kernel
+    the layer's tensors are its three buffers, and derived_nbytes is 0."""
+    require(kernel)
+    layer = PackedInt4Linear(64, 16, kernel=kernel,
+                             backend="triton" if kernel.startswith("triton") else "auto")
+    layer.weight_scale.data.fill_(1.0)
+    rows = 32 if kernel == "triton-folded" else 2
+    layer(torch.randn(rows, 64))
+    held = [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
+    assert not held and layer.derived_nbytes() == 0
+    assert {name for name, _ in layer.named_buffers()} == {"weight_packed", "weight_scale",
+                                                           "weight_shape"}
 
 
 def test_the_leading_dims_of_x_are_rows_and_come_back():
@@ -840,16 +827,6 @@ def test_weight_shape_int32_or_int64(dtype):
     sd = layer.state_dict()
     sd["weight_shape"] = torch.tensor([2, 64], dtype=dtype)
     layer.load_state_dict(sd)
-
-
-@needs_triton
-def test_the_triton_paths_derived_bytes_count_each_tensor_once():
-    """On the certificate's device the Triton path's factors and emin are the certificate's own
-    tensors: what it adds is the limb offset's row sums, 8 bytes an output."""
-    layer = PackedInt4Linear(64, 8, backend="triton")
-    before = layer.derived_nbytes()
-    layer(torch.randn(2, 64))
-    assert layer.derived_nbytes() - before == 8 * 8
 
 
 def test_layer_keeps_no_float_copy_of_the_weight():
@@ -921,22 +898,6 @@ def test_the_certificate_summary_counts_each_kind_of_row():
                                            "max_spread": 100, "spread_limit": 12, "nan_rows": 0}
     layer.weight_scale[2, 1] = float("nan")  # written in place after loading
     assert layer.certificate.summary()["nan_rows"] == 1
-
-
-@pytest.mark.parametrize("backend", ["cpu", "triton"])
-def test_process_weights_after_loading_prepares_what_the_forwards_take(backend):
-    """vLLM's hook derives, ahead of the first forward, the layouts of the kernels that 1 and
-    128 rows take on this backend (no other family's), and the forwards then derive nothing."""
-    if backend not in LAYER_PATHS:
-        require(backend)
-    layer = ExactLinear.from_weight(torch.randn(16, 64), backend=backend)
-    layer.process_weights_after_loading()
-    derived = layer._derived
-    taken = {layer.plan(torch.zeros(rows, 64)).kernel.layout for rows in (1, 128)}
-    assert set(derived.layouts) == taken
-    for rows in (1, 128):
-        layer(torch.randn(rows, 64).bfloat16())
-    assert layer._derived is derived and set(derived.layouts) == taken
 
 
 @needs_triton

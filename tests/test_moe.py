@@ -497,7 +497,7 @@ def test_slow_rows_and_writes_through_any_door_are_seen(backend):
     assert experts[1].up_proj.certificate.slow_rows.numel()
     for _ in range(2):
         y = experts(x, ids, weights)
-        fresh = copy.deepcopy(experts)  # (a copy derives its data again: modules.Derived)
+        fresh = copy.deepcopy(experts)  # (a copy holds the same buffers)
         set_backend(fresh, "cpu")
         assert torch.equal(y, fresh.per_expert(x, ids, weights))
         experts[2].down_proj.weight_packed.data.copy_(

@@ -117,9 +117,10 @@ def changed(kind: str) -> dict:
     elif kind == "factors":
         largest = scales.argmax(1)  # a group above emin (3 groups over 2 binades), or any
         scales[torch.arange(N), largest] += 1 << 7
-    else:
-        scales[0, 0] += (certified_spread(K, 4, 16) + 1) << 7
+    else:  # past the row's largest exponent by more than the certified spread
+        scales[0, 0] = scales[0].max() + ((certified_spread(K, 4, 16) + 1) << 7)
     new["weight_scale"] = scales.view(torch.bfloat16)
+    assert (kind == "slow") == (not layer_of(new).certificate.fast.all())
     return new
 
 

@@ -352,7 +352,8 @@ class _AmxKernel:
         held = int8_limbs_hold(weights.act_bits, self.act_limbs)
         if not held:
             return held
-        spread = weights.certificate.fast_spread
+        # at the certified spread, the most a fast row has (the plan reads no scales)
+        spread = dataflow.certified_spread(weights.k, weights.bits, weights.act_bits)
         if not dataflow.amx_holds(weights.k, weights.bits, weights.act_bits, spread):
             return no(f"K = {weights.k} by factors of spread {spread} could pass int64 in its "
                       f"combine")

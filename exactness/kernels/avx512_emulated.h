@@ -1,5 +1,5 @@
 // The AVX-512 intrinsics cpu_vnni.c uses, in portable C, for a CPU without AVX-512 VNNI: SIMDe
-// (the simde-py package's headers) for all but the fifteen that SIMDe 0.8 lacks, written below
+// (the simde-py package's headers) for all but the sixteen that SIMDe 0.8 lacks, written below
 // lane by lane from Intel's definitions. native.py compiles the kernel against this file in
 // place of <immintrin.h> when EXACTNESS_NATIVE=emulate (the suite sets it on such a CPU). So the
 // kernel's layouts, limbs, combine and rounding are verified on every machine; the real
@@ -27,6 +27,19 @@ static inline simde__mmask8 emulated_cmpgt_epu64_mask(simde__m512i a, simde__m51
     simde__mmask8 k = 0;
     for (int i = 0; i < 8; i++) k |= (simde__mmask8)((x[i] > y[i]) << i);
     return k;
+}
+
+// vpgatherdd with a merge mask: lane i, where k has it, the dword at base + index[i] * scale
+// (bytes); elsewhere src's lane, and no read
+static inline simde__m512i emulated_mask_i32gather_epi32(simde__m512i src, simde__mmask16 k,
+                                                         simde__m512i index, const void *base,
+                                                         int scale) {
+    EMULATED_LANES(int32_t, s, src);
+    EMULATED_LANES(int32_t, at, index);
+    for (int i = 0; i < 16; i++)
+        if ((k >> i) & 1) memcpy(&s[i], (const char *)base + (int64_t)at[i] * scale, 4);
+    memcpy(&src, s, 64);
+    return src;
 }
 
 // vplzcntq: 64 for a zero lane
@@ -172,6 +185,7 @@ static inline simde__m128i emulated_cvtepi32_epi8(simde__m512i a) {
 #undef _mm512_cvtps_pd
 #undef _mm512_cvtepi32_epi16
 #undef _mm512_cvtepi32_epi8
+#define _mm512_mask_i32gather_epi32 emulated_mask_i32gather_epi32
 #define _mm512_cmplt_epi64_mask emulated_cmplt_epi64_mask
 #define _mm512_cmpgt_epu64_mask emulated_cmpgt_epu64_mask
 #define _mm512_lzcnt_epi64 emulated_lzcnt_epi64

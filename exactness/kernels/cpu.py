@@ -172,7 +172,8 @@ class _Float64Kernel:
         return yes("float64 GEMMs of integers, exact below 2**53")
 
     def eligible(self, rows: int, weights: Weights) -> Fit:
-        spread = weights.certificate.fast_spread
+        # at the certified spread, the most a fast row has (the plan reads no scales)
+        spread = dataflow.certified_spread(weights.k, weights.bits, weights.act_bits)
         if not dataflow.float64_gemm_holds(weights.k, weights.bits, spread):
             return no(f"K = {weights.k} halves by folded weights of spread {spread} could pass "
                       f"2**53 in float64")

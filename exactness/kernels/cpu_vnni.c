@@ -27,6 +27,7 @@
 // c [G][Np] int32 in row order; the limbs [L][M][K] uint8 (limb + 128: `plane` bytes from one
 // limb to the next); t [M][Np] int64.
 #include <immintrin.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -203,17 +204,19 @@ ALWAYS_INLINE void add_group(const __m512i *d, int limbs, __m512i c_even, __m512
 }
 
 // T for `rows` activation rows (a compile-time constant at every call; row i's limb l at
-// a[i] + l * plane) against weight block wb, whose first column is n0.
+// a[i] + l * plane) against weight block wb, whose first column is n0; its group g's weight sums
+// and factors at wsum + g * ws and c + g * ws.
 ALWAYS_INLINE void tile(const uint8_t *const *a, int64_t plane, const uint8_t *wb,
-                        const int32_t *wsum, const int32_t *c, Out o, int64_t n0, int64_t K,
-                        int64_t Np, const int rows, const int limbs, const int nibbles) {
+                        const int32_t *wsum, const int32_t *c, int64_t ws, Out o, int64_t n0,
+                        int64_t K, int64_t Np, const int rows, const int limbs,
+                        const int nibbles) {
     __m512i acc_even[TILE_ROWS], acc_odd[TILE_ROWS];
     FOR_ROWS(i) acc_even[i] = acc_odd[i] = _mm512_setzero_si512();
     const int corrected = corrected_limb(limbs);
     for (int64_t g = 0; g < K / 32; g++) {
         __m512i d[TILE_ROWS][4];
         // the correction starts that limb's sum, so it costs a register move, not an add
-        const __m512i start = correction(_mm512_loadu_si512(wsum + g * Np), limbs);
+        const __m512i start = correction(_mm512_loadu_si512(wsum + g * ws), limbs);
         FOR_ROWS(i) FOR_LIMBS(l) d[i][l] = l == corrected ? start : _mm512_setzero_si512();
         for (int j = 0; j < 8; j += 2) {
             __m512i wv[2];
@@ -231,7 +234,7 @@ ALWAYS_INLINE void tile(const uint8_t *const *a, int64_t plane, const uint8_t *w
                 }
             }
         }
-        const __m256i *cg = (const __m256i *)(c + g * Np);
+        const __m256i *cg = (const __m256i *)(c + g * ws);
         const __m512i c_even = _mm512_cvtepi32_epi64(_mm256_loadu_si256(cg));
         const __m512i c_odd = _mm512_cvtepi32_epi64(_mm256_loadu_si256(cg + 1));
         FOR_ROWS(i) add_group(d[i], limbs, c_even, c_odd, &acc_even[i], &acc_odd[i]);
@@ -254,7 +257,7 @@ static inline Out tile_out(int64_t *t, void *y, const int64_t *e_r, const int64_
     for (int i = 0; i < TILE_ROWS; i++) name[i] = (base) + (row_of) * K
 
 #define TILE(R, LIMBS, NIB) \
-    tile(a_rows, plane, wb, wsum + b * 16, c + b * 16, o, b * 16, K, Np, R, LIMBS, NIB)
+    tile(a_rows, plane, wb, wsum_b, c_b, ws, o, b * 16, K, Np, R, LIMBS, NIB)
 #define TILES(LIMBS, NIB) BY_ROWS(rows, TILE, LIMBS, NIB)
 // every (limbs, nibbles) the limb kernel takes, each a kernel of its own
 #define LIMB_TILES(limbs, nibbles)                                   \
@@ -272,6 +275,8 @@ void exact_linear_vnni(const uint8_t *limb_planes, const uint8_t *w, const int32
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < Np / 16; b++) {
         const uint8_t *wb = w + b * K * (nibbles ? 8 : 16);
+        const int32_t *wsum_b = wsum + b * 16, *c_b = c + b * 16;
+        const int64_t ws = Np;
         for (int64_t r = 0; r < M; r += TILE_ROWS) {
             const int64_t rows = M - r < TILE_ROWS ? M - r : TILE_ROWS;
             ROW_POINTERS(const uint8_t *, a_rows, limb_planes, r + (i < rows ? i : 0));
@@ -486,12 +491,16 @@ ALWAYS_INLINE __m256i scaled_integers(__m256 v, __m512d scale) {
 // qa = RNE(x * 2**-e_r[r]), stored into `out` by `mode`: 1, 2 or 4, that many limbs
 // [mode][M][K], dataflow.activation_limbs biased by +128, which are the bytes of
 // qa + 2**(8 mode - 1), lowest first; 0, qa itself as int16 [M][K], in each 4 k the order
-// 0, 2, 1, 3 (exact_linear_spans' pairs). K is a multiple of 32.
-void quantize_limbs(const void *x, int format, int64_t M, int64_t K, const int64_t *e_r,
-                    uint8_t *out, int mode) {
+// 0, 2, 1, 3 (exact_linear_spans' pairs). With `order` (limbs only), each 8 k of a limb in the
+// order 0, 2, 4, 6, 1, 3, 5, 7: what the limb kernel reads against 4-bit words in place
+// (prepare_block). K is a multiple of 32.
+static void quantize_into(const void *x, int format, int64_t M, int64_t K, const int64_t *e_r,
+                          uint8_t *out, int mode, int order) {
     // 2**(8 mode - 1), added mod 2**32: at mode 4, qa + 2**31 as an unsigned pattern
     const __m512i bias = _mm512_set1_epi32((int32_t)(1u << (8 * (mode ? mode : 1) - 1)));
     const __m512i pairs = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    const __m512i nibble_order =
+        _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < M; r++) {
         const union { uint64_t u; double d; } power = {(uint64_t)(1023 - e_r[r]) << 52};
@@ -506,13 +515,19 @@ void quantize_limbs(const void *x, int format, int64_t M, int64_t K, const int64
                                     _mm512_cvtepi32_epi16(_mm512_permutexvar_epi32(pairs, qa)));
                 continue;
             }
-            const __m512i biased = _mm512_add_epi32(qa, bias);
+            const __m512i biased =
+                _mm512_add_epi32(order ? _mm512_permutexvar_epi32(nibble_order, qa) : qa, bias);
             for (int l = 0; l < mode; l++) {  // vpmovdb keeps each lane's low byte
                 _mm_storeu_si128((__m128i *)(out + l * M * K + k),
                                  _mm512_cvtepi32_epi8(_mm512_srli_epi32(biased, 8 * l)));
             }
         }
     }
+}
+
+void quantize_limbs(const void *x, int format, int64_t M, int64_t K, const int64_t *e_r,
+                    uint8_t *out, int mode) {
+    quantize_into(x, format, M, K, e_r, out, mode, 0);
 }
 
 // y[r, n] = round8_normal(t[r, n], e_r[r] + emin[n]) for n < N, written as 16- or 32-bit patterns
@@ -533,19 +548,182 @@ void round_rows(const int64_t *t, int64_t ld, const int64_t *e_r, const int64_t 
     }
 }
 
-// What a layer's fast path reads, built once per layer (native.NativeWeights.layer): the
-// arguments of the two accumulation kernels that do not change between forwards. f, rsh, ends
-// and unshifted are NULL until the span kernel first runs.
+// What a grouped call reads of a layer, one of two kinds:
+// - in place (packed set: native.InPlace, a forward's): the checkpoint's live buffers, each block
+//   of 16 weight rows built by prepare_block as its thread reaches it; emin and flags are this
+//   forward's outputs.
+// - derived (packed NULL: native.NativeWeights.layer): the two accumulation kernels' layouts
+//   built ahead, emin given. f, rsh, ends and unshifted are NULL until the span kernel first runs.
 typedef struct {
     const uint8_t *w;
     const int32_t *wsum, *c;
     const int16_t *f;
     const int8_t *rsh;
     const uint8_t *ends, *unshifted;
-    const int64_t *emin;  // padded to Np
+    int64_t *emin;  // padded to Np: given (derived), or written per block (in place)
     int64_t K, Np, N;
     int32_t nibbles;
+    const int32_t *packed;  // weight_packed [N][K bits / 32], or NULL
+    const uint16_t *scale;  // weight_scale [N][G], bf16 bits
+    uint8_t *flags;         // [Np]: FLAG_SLOW, FLAG_NONFINITE per row, written per block
+    int32_t bits, limit;    // the weights' width; dataflow.certified_spread
 } Layer;
+
+#ifndef PREFETCH_WORDS
+#define PREFETCH_WORDS 48  // how far ahead prepare_block asks for each row's words (measured)
+#endif
+#define FLAG_SLOW 1       // the row's scale spread is past `limit`: its factors are 0 here
+#define FLAG_NONFINITE 2  // the row holds a non-finite scale, counted as 0 here
+
+// r[j] lane i = r[i] lane j (a 16 x 16 transpose of dwords): 64 shuffles, no memory.
+ALWAYS_INLINE void transpose16(__m512i *r) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {  // lanes of 128 bits: (r_i, r_i+1) element pairs
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {  // u[4 a + c]: rows 4 a .. 4 a + 3 of element 4 L + c
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int c = 0; c < 4; c++) {  // the four quads of rows of element 4 L + c, lane L
+        const __m512i x0 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0x88);
+        const __m512i x1 = _mm512_shuffle_i32x4(r[c], r[4 + c], 0xDD);
+        const __m512i y0 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0x88);
+        const __m512i y1 = _mm512_shuffle_i32x4(r[8 + c], r[12 + c], 0xDD);
+        t[c] = _mm512_shuffle_i32x4(x0, y0, 0x88);
+        t[4 + c] = _mm512_shuffle_i32x4(x1, y1, 0x88);
+        t[8 + c] = _mm512_shuffle_i32x4(x0, y0, 0xDD);
+        t[12 + c] = _mm512_shuffle_i32x4(x1, y1, 0xDD);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
+// Block b of a layer read in place, built per forward by the thread that runs it: its words w (the
+// limb kernel's layout), weight sums wsum [G][16] (lane order) and factors c [G][16] (row order),
+// from the live buffers; its rows' emin and flags written to L->emin and L->flags. sc: scratch
+// of 2 G 16 int32. Rows past N read nothing and count as zero weights and scales.
+// - 4-bit words: lane l's vector j is row LANE_ROWS[l]'s word j itself (k = 8 j .. 8 j + 7, each
+//   q + 8): its bytes' low nibbles hold k 0, 2, 4, 6 and their high ones k 1, 3, 5, 7, the nibble
+//   layout's pair of 4-k steps for activations in the order 0, 2, 4, 6, 1, 3, 5, 7 of each 8 k
+//   (quantize_into's `order`). 8-bit words: row LANE_ROWS[l]'s word j (k = 4 j .. 4 j + 3) less
+//   128 a byte, the byte layout itself. wsum: sum_k q of each group, from the same words. Both by
+//   16 x 16 transposes of 16 rows' next 16 words (transpose16).
+// - the scales (modules.certify's, in lanes), transposed the same way, 16 groups at a time: ms
+//   and es of each finite scale (a non-finite one counts as 0 and flags its row), emin the least
+//   es of the row's nonzero scales (0 if none), the spread the largest es - emin; where the
+//   spread is at most `limit`, c = ms << (es - emin) (an int32: proofs, scale-factor), else c = 0
+//   and the row flagged slow.
+static void prepare_block(const Layer *L, int64_t b, uint8_t *w, int32_t *wsum, int32_t *c,
+                          int32_t *sc) {
+    const int64_t K = L->K, G = K / 32, rows = L->N - b * 16 < 16 ? L->N - b * 16 : 16;
+    const int nibbles = L->bits == 4;
+    const int64_t words = K * L->bits / 32, per_group = nibbles ? 4 : 8;
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i ones = _mm512_set1_epi8(1), low4 = _mm512_set1_epi8(15);
+    __m512i r[16];
+    for (int64_t j0 = 0; j0 < words; j0 += 16) {  // 16 words of each row: 2 or 4 groups
+        const int64_t count = words - j0 < 16 ? words - j0 : 16;  // a multiple of per_group
+        const __mmask16 some = (__mmask16)((1u << count) - 1);
+        for (int l = 0; l < 16; l++) {
+            const int row = (l & 1) * 8 + l / 2;  // LANE_ROWS[l]
+            const int32_t *at = L->packed + (b * 16 + row) * words + j0;
+            // 16 rows are 16 streams, more than the hardware prefetchers follow: ask for each
+            // row's words ahead (past the row's end, the next block's row's), and its scales
+            const int64_t ahead = j0 + PREFETCH_WORDS, next = b * 16 + 16 + row;
+            if (ahead < words && row < rows) {
+                _mm_prefetch((const char *)(at + PREFETCH_WORDS), _MM_HINT_T0);
+            } else if (ahead >= words && next < L->N) {
+                _mm_prefetch((const char *)(L->packed + next * words + ahead - words), _MM_HINT_T0);
+            }
+            if (j0 / 16 * 32 < G && row < rows) {  // a line of 32 scales a chunk
+                _mm_prefetch((const char *)(L->scale + (b * 16 + row) * G + j0 / 16 * 32),
+                             _MM_HINT_T0);
+            }
+            r[l] = row < rows ? _mm512_mask_loadu_epi32(zero, some, at) : zero;
+        }
+        transpose16(r);
+        for (int64_t j = 0; j < count; j += per_group) {
+            const int64_t g = (j0 + j) / per_group;
+            __m512i sum = zero;
+            if (nibbles) {  // a byte's two nibbles, at most 30; four words' at most 120
+                __m512i nibble_sums = zero;
+                for (int i = 0; i < 4; i++) {
+                    const __m512i v = r[j + i];
+                    _mm512_storeu_si512(w + (j0 + j + i) * 64, v);
+                    nibble_sums = _mm512_add_epi8(nibble_sums, _mm512_add_epi8(
+                        _mm512_and_si512(v, low4),
+                        _mm512_and_si512(_mm512_srli_epi16(v, 4), low4)));
+                }
+                sum = _mm512_dpbusd_epi32(zero, nibble_sums, ones);
+            } else {
+                for (int i = 0; i < 8; i++) {
+                    const __m512i v = r[j + i];
+                    _mm512_storeu_si512(w + (j0 + j + i) * 64,
+                                        _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80)));
+                    sum = _mm512_dpbusd_epi32(sum, v, ones);
+                }
+            }
+            _mm512_storeu_si512(wsum + g * 16, _mm512_sub_epi32(
+                sum, _mm512_set1_epi32(nibbles ? 8 * 32 : 128 * 32)));
+        }
+    }
+    const __m512i big = _mm512_set1_epi32(1 << 20);
+    __m512i emin = big, emax = _mm512_sub_epi32(zero, big);
+    __mmask16 nonfinite = 0;
+    int32_t *ms_of = sc, *es_of = sc + G * 16;
+    for (int64_t g0 = 0; g0 < G; g0 += 16) {
+        const int64_t count = G - g0 < 16 ? G - g0 : 16;
+        const __mmask16 some = (__mmask16)((1u << count) - 1);
+        for (int i = 0; i < 16; i++) {
+            r[i] = i < rows ? _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(
+                                  some, L->scale + (b * 16 + i) * G + g0))
+                            : zero;
+        }
+        transpose16(r);  // r[j]: group g0 + j's scale bits, rows in order
+        for (int64_t j = 0; j < count; j++) {
+            const __m512i bits = r[j];
+            const __m512i field =
+                _mm512_and_si512(_mm512_srli_epi32(bits, 7), _mm512_set1_epi32(255));
+            const __m512i frac = _mm512_and_si512(bits, _mm512_set1_epi32(127));
+            const __mmask16 normal = _mm512_test_epi32_mask(field, field);
+            const __mmask16 finite = ~_mm512_cmpeq_epi32_mask(field, _mm512_set1_epi32(255));
+            nonfinite |= ~finite;
+            const __m512i m = _mm512_maskz_mov_epi32(
+                finite, _mm512_mask_or_epi32(frac, normal, frac, _mm512_set1_epi32(128)));
+            // s = ms * 2**es: es = field - 127 - 7 (normal), 1 - 127 - 7 (subnormal)
+            const __m512i es = _mm512_mask_sub_epi32(_mm512_set1_epi32(-133), normal, field,
+                                                     _mm512_set1_epi32(134));
+            const __mmask16 negative = _mm512_test_epi32_mask(bits, _mm512_set1_epi32(0x8000));
+            const __mmask16 nonzero = _mm512_test_epi32_mask(m, m);
+            emin = _mm512_mask_min_epi32(emin, nonzero, emin, es);
+            emax = _mm512_mask_max_epi32(emax, nonzero, emax, es);
+            _mm512_storeu_si512(ms_of + (g0 + j) * 16, _mm512_mask_sub_epi32(m, negative, zero, m));
+            _mm512_storeu_si512(es_of + (g0 + j) * 16, es);
+        }
+    }
+    const __mmask16 live = (__mmask16)((1u << rows) - 1);
+    const __mmask16 any = ~_mm512_cmpeq_epi32_mask(emin, big);
+    emin = _mm512_maskz_mov_epi32(any, emin);
+    const __mmask16 slow = _mm512_cmpgt_epi32_mask(
+        _mm512_maskz_sub_epi32(any, emax, emin), _mm512_set1_epi32(L->limit));
+    for (int64_t g = 0; g < G; g++) {
+        const __m512i ms = _mm512_loadu_si512(ms_of + g * 16);
+        const __m512i shift = _mm512_maskz_sub_epi32(_mm512_test_epi32_mask(ms, ms),
+                                                     _mm512_loadu_si512(es_of + g * 16), emin);
+        _mm512_storeu_si512(c + g * 16,
+                            _mm512_maskz_mov_epi32(~slow, _mm512_sllv_epi32(ms, shift)));
+    }
+    const __m512i flags = _mm512_or_si512(
+        _mm512_maskz_mov_epi32(slow & live, _mm512_set1_epi32(FLAG_SLOW)),
+        _mm512_maskz_mov_epi32(nonfinite & live, _mm512_set1_epi32(FLAG_NONFINITE)));
+    _mm_storeu_si128((__m128i *)(L->flags + b * 16), _mm512_cvtepi32_epi8(flags));
+    _mm512_storeu_si512(L->emin + b * 16, _mm512_cvtepi32_epi64(_mm512_castsi512_si256(emin)));
+    _mm512_storeu_si512(L->emin + b * 16 + 8,
+                        _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(emin, 1)));
+}
 
 // One grouped call (exact_grouped): the rows routed to each of `experts` experts, each expert's
 // rows against its `parts` layers (gate and up: 2; down: 1), which share K and N. The routed rows
@@ -569,13 +747,18 @@ typedef struct {
 // limb kernel (exact_grouped quantizes x for both where that can happen).
 static void grouped_tiles(const Grouped *gr, const int16_t *words, const uint8_t *limb_planes,
                           int64_t plane, int limbs, const int64_t *e_rows, void *y, int mant,
-                          int expo) {
+                          int expo, uint8_t *blocks, int64_t block_bytes) {
     const Layer *first = gr->layers[0];
     const int64_t K = first->K, Np = first->Np, N = first->N, G = K / 32, ld = gr->parts * N;
     const int bytes = mant + expo + 1 == 32 ? 4 : 2;
 #pragma omp parallel
     {
         int16_t *scratch = words ? aligned_alloc(64, K * 16 * sizeof(int16_t)) : NULL;
+        // a block read in place: its words (at most a byte a weight), wsum, c and the decoded
+        // scales (prepare_block)
+        uint8_t *block = blocks ? blocks + omp_get_thread_num() * block_bytes : NULL;
+        int32_t *block_wsum = block ? (int32_t *)(block + K * 16) : NULL;
+        int32_t *block_c = block ? block_wsum + G * 16 : NULL;
         Pending pending = {.rows = 0};
         for (int64_t e = 0; e < gr->experts; e++) {
             const int64_t start = gr->offsets[e], end = gr->offsets[e + 1];
@@ -585,6 +768,15 @@ static void grouped_tiles(const Grouped *gr, const int16_t *words, const uint8_t
                 char *y_part = (char *)y + p * N * bytes;
 #pragma omp for schedule(static) nowait
                 for (int64_t b = 0; b < Np / 16; b++) {
+                    const uint8_t *wb = L->w + b * K * (L->nibbles ? 8 : 16);
+                    const int32_t *wsum_b = L->wsum + b * 16, *c_b = L->c + b * 16;
+                    int64_t ws = Np;
+                    int nibbles = L->nibbles;
+                    if (L->packed) {
+                        prepare_block(L, b, block, block_wsum, block_c, block_c + G * 16);
+                        wb = block, wsum_b = block_wsum, c_b = block_c, ws = 16;
+                        nibbles = L->bits == 4;
+                    }
                     if (spans) expand(L->w + b * K * 8, L->f + b * G * 16, scratch, K);
                     for (int64_t r = start; r < end; r += TILE_ROWS) {
                         const int64_t rows = end - r < TILE_ROWS ? end - r : TILE_ROWS;
@@ -598,10 +790,8 @@ static void grouped_tiles(const Grouped *gr, const int16_t *words, const uint8_t
                             if (L->unshifted[b]) BY_ROWS(rows, SPAN_TILE, scratch, 1)
                             else BY_ROWS(rows, SPAN_TILE, scratch, 0)
                         } else {
-                            const uint8_t *wb = L->w + b * K * (L->nibbles ? 8 : 16);
-                            const int32_t *wsum = L->wsum, *c = L->c;
                             ROW_POINTERS(const uint8_t *, a_rows, limb_planes, ROW(i));
-                            LIMB_TILES(limbs, L->nibbles)
+                            LIMB_TILES(limbs, nibbles)
                         }
 #undef ROW
                     }
@@ -620,8 +810,8 @@ static void grouped_tiles(const Grouped *gr, const int16_t *words, const uint8_t
 // expert reads it; then every expert's routed rows, rounded once into y (mant, expo). The
 // quantized x goes into `scratch` where its scratch_bytes hold it (a caller that keeps one across
 // calls saves the page faults of a fresh allocation), else into one of its own. Returns how many
-// rows of x hold a non-finite value (y unwritten then), or -1 when a scratch could not be
-// allocated.
+// rows of x hold a non-finite value (y unwritten then), -1 when a scratch could not be
+// allocated, or -2 when the layers mix the two kinds (in place and derived) or, in place, widths.
 int64_t exact_grouped(const Grouped *gr, const void *x, int format, int mant_x, int expo_x,
                       int64_t qmax, int limbs, int64_t M, void *y, int mant, int expo,
                       uint8_t *scratch, int64_t scratch_bytes) {
@@ -629,12 +819,22 @@ int64_t exact_grouped(const Grouped *gr, const void *x, int format, int mant_x, 
     // words where an expert asks for the span kernel; limbs where one does not, or where a layer
     // it would take lacks span scales (grouped_tiles then takes the limb kernel)
     int any_spans = 0, any_limbs = 0;
+    const Layer *first = gr->layers[0];
     for (int64_t e = 0; e < gr->experts; e++) {
         any_spans |= gr->spans[e];
         for (int64_t p = 0; p < gr->parts; p++) {
-            any_limbs |= !gr->spans[e] || !gr->layers[e * gr->parts + p]->f;
+            const Layer *layer = gr->layers[e * gr->parts + p];
+            any_limbs |= !gr->spans[e] || !layer->f;
+            // one kind of layer a call: the activations' order follows it
+            if (!layer->packed != !first->packed || (layer->packed && layer->bits != first->bits))
+                return -2;
         }
     }
+    // a block of each thread's, for the layers read in place (prepare_block)
+    const int64_t G = K / 32, block_bytes = K * 16 + 4 * G * 16 * (int64_t)sizeof(int32_t);
+    uint8_t *blocks = first->packed ? aligned_alloc(64, block_bytes * omp_get_max_threads())
+                                    : NULL;
+    if (first->packed && !blocks) return -1;
     // on 64 bytes (malloc's 16 measured 0.1 ms slower): in the caller's scratch where it holds
     // both (native.scratch_bytes), else allocated here
     const int64_t words_bytes = any_spans ? (M * K * 2 + 63) / 64 * 64 : 0;
@@ -647,10 +847,15 @@ int64_t exact_grouped(const Grouped *gr, const void *x, int format, int mant_x, 
     int64_t bad = e_r && e_rows && block ? row_exponents(x, mant_x, expo_x, qmax, M, K, e_r) : -1;
     if (bad == 0) {
         if (words) quantize_limbs(x, format, M, K, e_r, (uint8_t *)words, 0);
-        if (planes) quantize_limbs(x, format, M, K, e_r, planes, limbs);
+        if (planes) {
+            quantize_into(x, format, M, K, e_r, planes, limbs,
+                          first->packed && first->bits == 4);
+        }
         for (int64_t r = 0; r < rows; r++) e_rows[r] = e_r[gr->source ? gr->source[r] : r];
-        grouped_tiles(gr, words, planes, M * K, limbs, e_rows, y, mant, expo);
+        grouped_tiles(gr, words, planes, M * K, limbs, e_rows, y, mant, expo, blocks,
+                      block_bytes);
     }
+    free(blocks);
     free(e_r);
     free(e_rows);
     if (own) free(block);

@@ -358,7 +358,50 @@ class Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in
                 ("w", "wsum", "c", "f", "rsh", "ends", "unshifted", "emin")] + [
         ("k", ctypes.c_int64), ("np", ctypes.c_int64), ("n", ctypes.c_int64),
-        ("nibbles", ctypes.c_int32)]
+        ("nibbles", ctypes.c_int32), ("packed", ctypes.c_void_p), ("scale", ctypes.c_void_p),
+        ("flags", ctypes.c_void_p), ("bits", ctypes.c_int32), ("limit", ctypes.c_int32)]
+
+
+FLAG_SLOW, FLAG_NONFINITE = 1, 2  # cpu_vnni.c's per-row flags of a layer read in place
+
+
+class InPlace:
+    """A layer's live buffers as one forward's grouped call reads them in place (cpu_vnni.c's
+    prepare_block): nothing derived ahead, nothing kept. The call writes each row's emin and
+    flags (slow, non-finite scale) here; `found()` reads the flags back."""
+
+    def __init__(self, weights: Weights):
+        self.weights = weights
+        self.packed, self.scale = weights.packed, weights.scale  # the call reads these in place
+        self.n, self.k = weights.n, weights.k
+        self.np = -(-self.n // 16) * 16
+        self.emin = torch.zeros(self.np, dtype=torch.int64)
+        self.flags = torch.zeros(self.np, dtype=torch.uint8)
+        self._layer = Layer(None, None, None, None, None, None, None, self.emin.data_ptr(),
+                            self.k, self.np, self.n, 0, self.packed.data_ptr(),
+                            self.scale.data_ptr(), self.flags.data_ptr(), weights.bits,
+                            dataflow.certified_spread(self.k, weights.bits, weights.act_bits))
+
+    def layer(self, emin: None, spans: bool) -> Layer:
+        """exact_grouped's Layer (the emin and spans of a derived layer do not apply)."""
+        return self._layer
+
+    def found(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slow rows, rows with a non-finite scale) [int64], as the call found them."""
+        flags = self.flags[:self.n]
+        if not bool(flags.any()):
+            none = torch.empty(0, dtype=torch.int64)
+            return none, none
+        return (torch.nonzero(flags & FLAG_SLOW).flatten(),
+                torch.nonzero(flags & FLAG_NONFINITE).flatten())
+
+    @property
+    def nbytes(self) -> int:
+        """What one forward derives and frees: the rows' emin and flags, and each thread's block
+        of 16 rows (its words, weight sums, factors and decoded scales: exact_grouped's)."""
+        groups = self.k // GROUP_SIZE
+        block = self.k * 16 + 4 * groups * 16 * 4
+        return self.emin.numel() * 8 + self.flags.numel() + block * torch.get_num_threads()
 
 
 class Grouped(ctypes.Structure):
@@ -621,6 +664,9 @@ def grouped(x: torch.Tensor, act_bits: int, experts, spans, offsets, source: tor
                             out_format.mant_bits, out_format.exp_bits,
                             None if scratch is None else scratch.data_ptr(),
                             0 if scratch is None else scratch.numel())
+    if bad == -2:
+        raise ValueError("a grouped call takes layers of one kind: all in place (InPlace) of one "
+                         "width, or all derived (NativeWeights)")
     if bad < 0:
         raise MemoryError(f"no memory for the activations of x {tuple(x.shape)}")
     if bad:
@@ -646,9 +692,11 @@ def _self_check(lib) -> Fit:
     kernels against int64 arithmetic (the worst case, random data, long and one-group spans,
     unshifted blocks), the rounding, fused and as a pass, against formats.round_scaled_array
     (ties, subnormals, overflow), in every format; then the one-call path against those
-    passes. The verdict names the check that failed and its input."""
+    passes, and the layers read in place (prepare_block) against the derived layout and the
+    certificate (certificate.certify). The verdict names the check that failed and its input."""
     from ..contract import FORMATS
-    from ..formats import bits_to_tensor, round_scaled_array
+    from ..formats import bits_to_tensor, pack_weights, round_scaled_array
+    from .certificate import certify
 
     g = torch.Generator().manual_seed(0)
     for act_bits in (4, 8, 16, 32):
@@ -745,6 +793,40 @@ def _self_check(lib) -> Fit:
                 if not torch.equal(got[offsets[e]:offsets[e + 1], 20 * p:20 * p + 20], want):
                     return no(f"its self-check failed on a grouped call (exact_grouped, expert "
                               f"{e}, part {p}, act_bits {act_bits})")
+    # the layers read in place (prepare_block): the checkpoint's own words and scales against
+    # the derived layout of the same weights (NativeWeights of the unpacked words and the
+    # certificate's factors), and the emin and flags found against the certificate's: 4- and
+    # 8-bit words, a partial last block, one group a row (K = 32), zero, subnormal, non-finite
+    # and far-apart scales (slow rows)
+    for bits, k, n in ((4, 256, 37), (8, 64, 21), (4, 32, 5), (8, 32, 16)):
+        least = -(1 << (bits - 1))
+        q = torch.randint(least, -least, (n, k), generator=g)
+        q[0] = least
+        scale_bits = torch.randint(0, 1 << 16, (n, k // 32), generator=g)  # row 0: anywhere
+        scale_bits[1:] = (scale_bits[1:] & 0x807F) | (torch.randint(
+            118, 131, scale_bits[1:].shape, generator=g) << 7)  # spreads up to 12: fast rows
+        scale_bits[2] = 0
+        scale_bits[3, 0] = 0x7F80  # +inf
+        scale_bits[4] &= 0x807F  # subnormal
+        scale_bits[n - 1, -1] = 0xFFC1  # a NaN, in the buffer's last element
+        weights = Weights(torch.from_numpy(pack_weights(q.numpy(), bits)),
+                          bits_to_tensor(scale_bits, BFLOAT16), n, k, bits, 16)
+        for act_bits in (8, 16, 32):
+            weights.act_bits = act_bits
+            cert = certify(weights.scale, k, bits, act_bits)
+            derived, in_place = NativeWeights(q, cert.factor), InPlace(weights)
+            for fmt in FORMATS.values():
+                x = torch.randn(6, k, generator=g).to(torch_dtype(fmt))
+                want = linear(x, act_bits, derived, cert.emin, fmt, lib)
+                if not torch.equal(linear(x, act_bits, in_place, None, fmt, lib), want):
+                    return no(f"its self-check failed on the weights read in place ({bits}-bit "
+                              f"words, K = {k}, act_bits {act_bits}, {fmt.name})")
+            flags = in_place.flags[:n]
+            if not (torch.equal(in_place.emin[:n], cert.emin)
+                    and torch.equal((flags & FLAG_SLOW) != 0, ~cert.fast)
+                    and torch.equal((flags & FLAG_NONFINITE) != 0, cert.nonfinite)):
+                return no(f"its self-check failed on the scales read in place: emin or flags "
+                          f"({bits}-bit words, K = {k}, act_bits {act_bits})")
     t = torch.randint(-(2**62), 2**62, (4, 67), generator=g) >> torch.randint(0, 62, (4, 67),
                                                                             generator=g)
     t[0, :8] = torch.tensor([0, 1, -1, 3, -3, 2**62, -(2**62), 5])
@@ -773,11 +855,11 @@ class _VnniKernel:
     """cpu_vnni.c's one-call path (exact_grouped, one expert), through the limb or the span
     kernel."""
 
-    family, layout, auto, grouped = "cpu", "vnni", True, False
+    family, layout, grouped = "cpu", "vnni", False
     act_limbs = dataflow.GROUP_ACT_LIMBS
 
-    def __init__(self, name: str, spans: bool, min_rows: int):
-        self.name, self.spans, self.min_rows = name, spans, min_rows
+    def __init__(self, name: str, spans: bool, min_rows: int, auto: bool = True):
+        self.name, self.spans, self.min_rows, self.auto = name, spans, min_rows, auto
 
     def available(self, device: torch.device) -> Fit:
         if device.type != "cpu":
@@ -796,12 +878,21 @@ class _VnniKernel:
                       f"{weights.act_bits} and {weights.bits}-bit weights")
         return yes("16-bit activations as int16 words" if self.spans else "any widths")
 
-    def prepare(self, weights: Weights) -> NativeWeights:
-        return NativeWeights(weights.q(), weights.certificate.factor.cpu())
+    def prepare(self, weights: Weights) -> InPlace | NativeWeights:
+        """The live buffers, read in place; the span kernel's layout and scales, derived for this
+        forward in Python (slow: it is taken only when asked for)."""
+        if self.spans:
+            return NativeWeights(weights.q(), weights.certificate.factor.cpu())
+        return InPlace(weights)
 
-    def run(self, x, weights: Weights, prepared: NativeWeights, out_format: FloatFormat):
-        return linear(x, weights.act_bits, prepared, weights.certificate.emin, out_format,
-                      spans=self.spans)
+    def run(self, x, weights: Weights, prepared: InPlace | NativeWeights,
+            out_format: FloatFormat):
+        if self.spans:
+            return linear(x, weights.act_bits, prepared, weights.certificate.emin, out_format,
+                          spans=True)
+        y = linear(x, weights.act_bits, prepared, None, out_format)
+        weights.found = prepared.found()
+        return y
 
 
 def takes_spans(rows: int, weights: Weights) -> bool:
@@ -815,43 +906,47 @@ class _VnniGroupedKernel(_VnniKernel):
     expert's through the kernel the plan would take for that many rows (takes_spans). As a
     layer's kernel (kernel="vnni-grouped"): one expert, every row routed to it."""
 
-    auto, grouped, reads = False, True, "derived"
+    grouped, reads = True, "layers"
 
     def __init__(self):
-        super().__init__("vnni-grouped", spans=False, min_rows=0)
+        super().__init__("vnni-grouped", spans=False, min_rows=0, auto=False)
 
-    def run(self, x, weights: Weights, prepared: NativeWeights, out_format: FloatFormat):
-        return linear(x, weights.act_bits, prepared, weights.certificate.emin, out_format,
-                      spans=takes_spans(x.shape[0], weights))
+    def prepare(self, weights: Weights) -> InPlace:
+        return InPlace(weights)
+
+    def run(self, x, weights: Weights, prepared: InPlace, out_format: FloatFormat):
+        y = linear(x, weights.act_bits, prepared, None, out_format)
+        weights.found = prepared.found()
+        return y
 
     def run_grouped(self, x, routing, experts, bits: int, act_bits: int, out_format: FloatFormat,
                     gather: bool, workspace=None):
         """(y [routed rows, parts * N], None): `experts` [E] holds, for each expert with routed
-        rows, its parts' (Weights, NativeWeights) of these widths, None for the others; routed
-        row r reads row routing.token[r] of x where `gather`, else row r (x then in routing
-        order already). With a `workspace` (moe.Workspace), y and the quantized x are its
-        buffers, which its next use overwrites. Raises NonFiniteError for a non-finite x, and
+        rows, its parts' (Weights, InPlace) of these widths, None for the others; routed row r
+        reads row routing.token[r] of x where `gather`, else row r (x then in routing order
+        already). Each part's InPlace then holds the rows the call found slow or NaN (found()).
+        With a `workspace` (moe.Workspace), y and the quantized x are its buffers, which its
+        next use overwrites. Raises NonFiniteError for a non-finite x, and
         KernelUnavailableError for activations wider than its limbs."""
         refuse_unheld(self.name, act_bits, self.act_limbs)
         offsets = routing.offsets.tolist()
         active = [e for e, parts in enumerate(experts) if parts is not None]
-        spans = [takes_spans(offsets[e + 1] - offsets[e], experts[e][0][0]) for e in active]
         ends = [0, *(offsets[e + 1] - offsets[e] for e in active)]
         routed = offsets[routing.experts]
         source = routing.token[:routed] if gather else None
-        lists = [[(prepared, weights.certificate.emin) for weights, prepared in experts[e]]
-                 for e in active]
+        lists = [[(prepared, None) for _, prepared in experts[e]] for e in active]
         offsets = torch.tensor(ends).cumsum(0).tolist()
         out = scratch = None
         if workspace is not None:
             n = len(lists[0]) * lists[0][0][0].n
             out = workspace.get("y", (offsets[-1], n), torch_dtype(out_format), x.device)
             scratch = workspace.get("x", (scratch_bytes(*x.shape),), torch.uint8, x.device)
-        return grouped(x, act_bits, lists, spans, offsets, source, out_format, out=out,
-                       scratch=scratch), None
+        return grouped(x, act_bits, lists, [False] * len(active), offsets, source, out_format,
+                       out=out, scratch=scratch), None
 
 
-# spans pay for expanding the weights once per forward from SPAN_MIN_ROWS rows on
-SPANS = _VnniKernel("vnni-spans", spans=True, min_rows=SPAN_MIN_ROWS)
+# the span kernel's scales are derived in Python per forward (its weights cannot be read in
+# place yet): never the plan's own pick, and its min_rows says where it would pay once they are
+SPANS = _VnniKernel("vnni-spans", spans=True, min_rows=SPAN_MIN_ROWS, auto=False)
 LIMBS = _VnniKernel("vnni-limbs", spans=False, min_rows=0)
 GROUPED = _VnniGroupedKernel()

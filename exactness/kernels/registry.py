@@ -7,12 +7,15 @@ A kernel is one way to compute the layer's output bits. It answers four calls:
 - `run(x, weights, prepared, out_format)`: y [M, N] in `out_format`, x [M, K] 2-D.
 
 The first two return a `Fit`: true or false, and why. A kernel computes every weight row the
-certificate calls fast; the layer splices the other rows in from the `wide` kernel.
+certificate calls fast; the layer splices the other rows in from the `wide` kernel. `Weights`
+holds the layer's live buffers, never a copy, and `prepare` runs per forward: nothing a kernel
+derives outlives the forward, so a write to the buffers is seen at the next one.
 
 A grouped kernel (`grouped` true) also computes one projection of every routed expert of an MoE
 layer in one call (exactness.moe): `run_grouped(x, routing, experts, bits, act_bits, out_format,
 gather)`. What it reads of the experts (`reads`) is each routed expert's `Weights` and prepared
-data ("derived"), or every expert's live buffers ("buffers").
+data, after its layer's checks on the host ("layers"), or every expert's live buffers through a
+table on the device ("buffers").
 
 `plan` picks the first kernel of the registry (kernels/__init__.py, fastest first) that runs
 here, holds the inputs, and is preferred at this many rows. A forced kernel (`kernel=` or
@@ -21,6 +24,7 @@ here, holds the inputs, and is preferred at this many rows. A forced kernel (`ke
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -30,6 +34,7 @@ import torch
 from .. import dataflow
 from ..contract import ContractValueError, FloatFormat
 from ..formats import unpack_weights
+from .certificate import Certificate, certify
 
 ENV = "EXACTNESS_KERNEL"
 
@@ -64,17 +69,30 @@ def int8_limbs_hold(act_bits: int, carried: int) -> Fit:
     return yes(f"act_bits {act_bits} in {limbs} int8 limb(s)")
 
 
-@dataclass(frozen=True)
 class Weights:
-    """What a kernel reads besides x: the layer's three buffers, its widths, its certificate."""
+    """What a kernel reads besides x, for one forward: the layer's live buffers (never a copy: a
+    write through any door reaches the next forward), its widths, and the scales' certificate,
+    derived from the live scales on first ask and dropped with the forward."""
 
-    packed: torch.Tensor  # weight_packed [N, K * bits / 32] int32
-    scale: torch.Tensor  # weight_scale [N, K / 32] bf16
-    n: int
-    k: int
-    bits: int
-    act_bits: int
-    certificate: Any  # modules.Certificate
+    def __init__(self, packed: torch.Tensor, scale: torch.Tensor, n: int, k: int, bits: int,
+                 act_bits: int):
+        self.packed = packed  # weight_packed [N, K * bits / 32] int32
+        self.scale = scale  # weight_scale [N, K / 32] bf16
+        self.n, self.k, self.bits, self.act_bits = n, k, bits, act_bits
+        # (slow rows, NaN rows) as a kernel found them while it ran (the C kernel's flags), so
+        # the layer derives no certificate of its own; None: from the certificate
+        self.found: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @functools.cached_property
+    def certificate(self) -> Certificate:
+        return certify(self.scale, self.k, self.bits, self.act_bits)
+
+    def rows_apart(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(slow rows, NaN rows) [int64], on the CPU: what the layer splices in after a kernel."""
+        if self.found is not None:
+            return self.found
+        cert = self.certificate
+        return cert.slow_rows.cpu(), cert.nan_rows.cpu()
 
     def q(self, rows: torch.Tensor | None = None) -> torch.Tensor:
         """The weights as integers [N, K] (or of `rows` only), unpacked on the CPU."""
@@ -161,7 +179,7 @@ def plan_grouped(kernels, family: str, device: torch.device, act_bits: int,
 def plan(kernels, family: str, device: torch.device, rows: int, weights: Weights,
          forced: str | None = None) -> Plan:
     """The kernel a forward of `rows` rows on `device` takes, and why (see the module's doc)."""
-    slow = int(weights.certificate.slow_rows.numel())
+    slow = 0  # the forward's plan reads no scales: layer.plan(x) counts the slow rows
     by = "kernel=" if forced else f"{ENV}="
     forced = forced or os.environ.get(ENV) or None
     if forced:

@@ -576,18 +576,17 @@ class _TritonKernel:
                       f"K = {weights.k} (more than 16 rows, N and K multiples of 8)")
         return yes("int8 GEMM on folded weight digits")
 
-    def prepare(self, weights: Weights) -> dict:
-        return {}  # per device: gpu_weights
+    def prepare(self, weights: Weights) -> None:
+        return None  # the scales' factors are derived on the device per forward (gpu_weights)
 
-    def run(self, x, weights: Weights, prepared: dict, out_format: FloatFormat):
+    def run(self, x, weights: Weights, prepared: None, out_format: FloatFormat):
         """y for a finite x (the layer gives a non-finite row its NaN first): nothing is read
         back."""
         if capturing(x):
             raise ContractValueError(
-                "the exact layers cannot be captured into a CUDA graph: a forward compares the "
-                "buffers with the layer's copy on the host, which a graph's replay could not "
-                "do; run them eagerly")
-        return self.launches(x, weights, gpu_weights(weights, prepared, x.device),
+                "the exact layers cannot be captured into a CUDA graph yet: a forward reads the "
+                "scales' slow rows back to the host; run them eagerly")
+        return self.launches(x, weights, gpu_weights(weights, x.device),
                              torch_dtype(out_format))
 
     def launches(self, x, weights: Weights, derived: tuple, out_dtype: torch.dtype):
@@ -604,13 +603,13 @@ class _TritonKernel:
         return ys[0] if len(ys) == 1 else torch.cat(ys)
 
 
-def gpu_weights(weights: Weights, prepared: dict, device: torch.device) -> tuple:
-    """(factor, offset_sums, emin) on `device`, derived once per device and kept in `prepared`."""
-    if device not in prepared:
-        factor = weights.certificate.factor.to(device)
-        prepared[device] = (factor, offset_sums(weights.packed.to(device), factor, weights.bits),
-                            weights.certificate.emin.to(device))
-    return prepared[device]
+def gpu_weights(weights: Weights, device: torch.device) -> tuple:
+    """(factor, offset_sums, emin) on `device`, derived from the live buffers for one forward
+    (on the buffers' device: nothing read back)."""
+    cert = weights.certificate
+    factor = cert.factor.to(device)
+    return (factor, offset_sums(weights.packed.to(device), factor, weights.bits),
+            cert.emin.to(device))
 
 
 FOLDED = _TritonKernel("triton-folded", folded=True, min_rows=FOLDED_MIN_ROWS)

@@ -8,7 +8,7 @@ returns at once. A padding row is never read as data nor stored.
 
 Each program reads its expert's weights live, through a table of every (expert, part) layer's
 buffer addresses (weight_packed, weight_scale, weight_shape): nothing is derived ahead that a
-write could leave stale. It derives what the group kernel's certificate holds (modules.certify)
+write could leave stale. It derives what the group kernel's certificate holds (certificate.certify)
 from the scales as it goes: each weight row's emin and spread, then per group the factor
 f = ms << (es - emin). A row whose spread exceeds dataflow.certified_spread is computed as zero
 and counted in `trouble`, as are a non-finite scale and a weight_shape that disagrees: the caller

@@ -431,11 +431,12 @@ CATALOGUE = (
            (GEMM, GEMM_VECTORS)),
     Mutant("vnni-scale-of-the-neighbour-group", "exactness.kernels.native:NativeWeights.__init__",
            "pad(factor.to(torch.int32)", "pad(factor.roll(1, dims=1).to(torch.int32)",
-           "group g's scale applied to group g + 1 in the VNNI kernel's layout",
-           (CPU, CPU_VECTORS)),
+           "group g's scale applied to group g + 1 in the derived layout (the span kernel's)",
+           (SPANS, SPANS_VECTORS)),
     Mutant("vnni-rows-interleaved-wrong", "exactness.kernels.native:NativeWeights.__init__",
            ".permute(0, 2, 1, 3)", ".permute(0, 2, 1, 3).flip(2)",
-           "weight rows swapped inside a 16-row vector block", (CPU, CPU_VECTORS)),
+           "weight rows swapped inside a 16-row vector block of the derived layout",
+           (SPANS, SPANS_VECTORS)),
     Mutant("kernel-tail-group-dropped", KERNEL, "for g in range(g_start, g_end):",
            "for g in range(g_start, g_end - 1):", "the last group of each slice of K never "
            "accumulated", (TRITON, TRITON_VECTORS)),
@@ -604,15 +605,40 @@ CATALOGUE = (
            ("tests/test_reliability.py::"
             "test_the_int8_gemm_path_is_exact_past_two_to_the_17_products",
             "tests/test_proofs.py::test_the_int8_gemms_are_sliced_where_all_of_k_would_wrap")),
-    Mutant("weights-compared-by-shape-only", "exactness.modules:same_bits",
-           "return torch.equal(flat_a, flat_b)", "return True",
-           "derived data kept across a write that torch's version counter does not see "
-           "(param.data.copy_, a numpy view): stale weights",
+    Mutant("prepared-kept-across-forwards", "exactness.modules:_PackedExactLinear.forward",
+           "prepared = chosen.kernel.prepare(weights)",
+           "prepared = self.__dict__.setdefault(\"_kept\", chosen.kernel.prepare(weights))",
+           "what a kernel derives kept from the first forward on: a write through any door "
+           "(param.data.copy_, a numpy view, a reassignment) never reaches it",
            ("tests/test_reliability.py::test_weights_written_through_any_door_are_seen_at_the_"
             "next_forward[through_data_copy-int64-matmul]",
-            "tests/test_reliability.py::test_each_kind_of_weight_change_is_seen_on_every_path"
-            "[factors-vnni-limbs]",
-            "tests/test_moe.py::test_slow_rows_and_writes_through_any_door_are_seen[cpu]")),
+            "tests/test_reliability.py::test_weights_written_through_any_door_are_seen_at_the_"
+            "next_forward[through_reassignment-vnni-limbs]")),
+    # --- the C kernel reading the checkpoint's buffers in place (issue 40)
+    Mutant("in-place-scales-of-the-neighbour-row", C_KERNEL,
+           "L->scale + (b * 16 + i) * G + g0",
+           "L->scale + (b * 16 + ((i ^ 1) < rows ? i ^ 1 : i)) * G + g0",
+           "a block's scales read for the wrong rows: neighbouring rows take each other's "
+           "scales", (CPU, CPU_VECTORS)),
+    Mutant("in-place-activations-in-natural-order", C_KERNEL,
+           "first->packed && first->bits == 4);", "0);",
+           "4-bit words read in place against activations in natural order: each nibble's "
+           "product taken with its neighbour's activation", (CPU, CPU_VECTORS)),
+    Mutant("in-place-weight-sums-unbiased", C_KERNEL,
+           "_mm512_set1_epi32(nibbles ? 8 * 32 : 128 * 32)",
+           "_mm512_set1_epi32(nibbles ? 0 : 128 * 32)",
+           "the weight sums of 4-bit words taken from the stored q + 8: the limb bias "
+           "corrected by the wrong amount", (CPU, CPU_VECTORS)),
+    Mutant("in-place-slow-rows-unflagged", C_KERNEL,
+           "_mm512_maskz_mov_epi32(slow & live, _mm512_set1_epi32(FLAG_SLOW))",
+           "_mm512_maskz_mov_epi32(0, _mm512_set1_epi32(FLAG_SLOW))",
+           "a row past the certified spread computed as zero and never sent to `wide`",
+           ("tests/test_modules.py::test_wide_spread_rows_stay_exact",)),
+    Mutant("in-place-non-finite-scale-unflagged", C_KERNEL,
+           "nonfinite |= ~finite;", "nonfinite |= 0;",
+           "a non-finite scale counted as 0 and its row left finite, not NaN (contract v1.2)",
+           ("tests/test_reliability.py::test_a_non_finite_scale_written_in_place_gives_its_row_"
+            "nan[vnni-limbs]",)),
     # --- contract v1.2: non-finite rows (issue 40)
     Mutant("nan-rows-of-x-left-zero", "exactness.modules:_PackedExactLinear.forward",
            "y = y.masked_fill_(bad_rows[:, None], float(\"nan\"))", "pass",
@@ -620,7 +646,7 @@ CATALOGUE = (
            ("tests/test_errors.py::test_layer_non_finite_x_gives_nan_rows_or_raises_when_strict"
             "[vnni-limbs]", CPU_VECTORS)),
     Mutant("nan-weight-rows-left-zero", "exactness.modules:_PackedExactLinear.forward",
-           "y = y.index_fill_(1, weights.certificate.nan_rows.to(y.device), float(\"nan\"))",
+           "y = y.index_fill_(1, nan_rows.to(y.device), float(\"nan\"))",
            "pass", "a non-finite scale written in place counted as 0: finite outputs for its row",
            ("tests/test_reliability.py::test_a_non_finite_scale_written_in_place_gives_its_row_nan"
             "[vnni-limbs]",)),
@@ -744,16 +770,6 @@ CATALOGUE = (
            "from_weight's scale exponent left below bf16's smallest: a tiny group's scale "
            "encoded as a subnormal of another value",
            ("tests/test_modules.py::test_from_weight_matches_the_oracle_quantizer",)),
-    Mutant("layouts-kept-while-the-words-stay", "exactness.modules:_PackedExactLinear._derive",
-           "certificate), widths)",
-           "certificate), widths, derived.layouts if derived is not None and same_bits("
-           "packed, derived.weights.packed) else {})",
-           "the kernels' derived layouts kept across a write that left the packed words as they "
-           "were: a scale's new factor never reaches them",
-           ("tests/test_reliability.py::test_each_kind_of_weight_change_is_seen_on_every_path"
-            "[factors-vnni-limbs]",
-            "tests/test_reliability.py::test_each_kind_of_weight_change_is_seen_on_every_path"
-            "[factors-int8-gemm]")),
     Mutant("converter-keeps-a-layer-of-other-act-bits", "exactness.kimi:_stage",
            "reuse = isinstance(module, PackedInt4Linear) and module.act_bits == act_bits",
            "reuse = isinstance(module, PackedInt4Linear)",

@@ -262,8 +262,11 @@ def final_rounding_near_ties(draw, out_format=None):
     for r in range(rows):
         odd = 2 ** p + 1 + 2 * draw(st.integers(0, 2 ** (p - 1) - 1))  # p + 1 bits, tie bit set
         sign = draw(st.sampled_from((1, -1)))
+        # row 0 an exact tie whose kept part is odd: where ties-to-even and any other tie rule
+        # differ (the other rows anywhere beside a tie)
+        odd, beside = (odd | 2, 0) if r == 0 else (odd, draw(st.sampled_from((-1, 0, 1))))
         x[r, 0] = round_scaled(sign * odd << (12 - p), 0, f32)
-        x[r, 32] = round_scaled(sign * draw(st.sampled_from((-1, 0, 1))), 0, f32)
+        x[r, 32] = round_scaled(sign * beside, 0, f32)
         x[r, 1] = round_scaled(20000, 0, f32)
     off = -20 if out.exp_bits < 8 else 0  # keep fp16 outputs finite: a power of two moves no tie
     scales = np.tile(np.array([[round_scaled(1, 12 + off, BFLOAT16),
