@@ -56,6 +56,9 @@ def check_buffer(name: str, t, shape: tuple, dtypes: tuple) -> None:
                                  f"got strides {t.stride()}")
 
 
+EMPTY = torch.empty(0, dtype=torch.int64)  # no rows
+
+
 class _PackedExactLinear(nn.Module):
     """y = RNE(2**e_r * sum_g s[n,g] * sum_k qa[r,k] * q[n,k]) (docs/SPEC.md), bit for bit."""
 
@@ -83,7 +86,8 @@ class _PackedExactLinear(nn.Module):
                              act_bits=act_bits, bits=bits, out_dtype=out_dtype, backend=backend,
                              kernel=kernel,  # None: the plan picks (or EXACTNESS_KERNEL)
                              strict=strict,  # a non-finite x or scale raises (v1's rule)
-                             _plans={})  # the forward's plans (they read no buffer)
+                             _plans={},  # the forward's plans (they read no buffer)
+                             _shape_seen=None)  # the GPU weight_shape last checked
         n, k = out_features, in_features
         # zero weights until a checkpoint loads: one fill, nothing on device="meta"
         self.register_buffer("weight_packed", torch.full(
@@ -144,7 +148,14 @@ class _PackedExactLinear(nn.Module):
         """(weight_packed, weight_scale) as they are now, or a typed error if a kernel could not
         read them (checked_buffers), or weight_shape disagrees with the layer's shape."""
         packed, scale, shape = self.checked_buffers()
-        self._check_shape(shape, "weight_shape")
+        if not (shape.is_cuda or self.backend == "triton"):
+            self._check_shape(shape, "weight_shape")
+        elif self._shape_seen != (id(shape), shape._version):
+            # for the GPU its values are read once per tensor and in-place op (torch's version
+            # counter), not every forward: that read waits for the device, and no kernel reads
+            # them. (A write through .data, which bumps no version, is not seen here.)
+            self._check_shape(shape, "weight_shape")
+            self._shape_seen = (id(shape), shape._version)
         return packed, scale
 
     # ----------------------------------------------------------------- derived data
@@ -241,6 +252,10 @@ class _PackedExactLinear(nn.Module):
                 "the exact layers cannot be traced by torch.jit.trace: their kernels write the "
                 "output where the tracer does not see it, so a trace would replay uninitialised "
                 "memory; call the layer eagerly")
+        if isinstance(x, torch.Tensor) and triton_exact.capturing(x):
+            raise ContractValueError(
+                "the exact layers cannot be captured into a CUDA graph yet: a forward reads "
+                "back whether any weight row is slow; run them eagerly")
         weights = self.weights()  # before x: a bad buffer is named even for an empty x
         x2, out_format = self._checked(x, weights.packed.device)
         if x2.shape[0] == 0:
@@ -259,15 +274,25 @@ class _PackedExactLinear(nn.Module):
                 raise
             x2, bad_rows = self._finite_rows(x2)
             y = chosen.kernel.run(x2, weights, prepared, out_format)
-        slow, nan_rows = weights.rows_apart()  # as the kernel found them, or the certificate
-        if self.strict and nan_rows.numel():  # v1's rule: a non-finite scale raises
-            check_finite(float_bits(weights.scale), BFLOAT16, "weight_scale")
+        if family == "triton":  # the certificate's rows on the device: one read, of the slow
+            cert = weights.certificate
+            nan_rows, slow = cert.nonfinite, EMPTY
+            if self.strict and bool(nan_rows.any()):
+                check_finite(float_bits(weights.scale), BFLOAT16, "weight_scale")
+            if chosen.kernel is not WIDE and bool((~cert.fast).any()):
+                slow = cert.slow_rows.cpu()
+        else:  # as the C kernel found them, or the certificate
+            slow, nan_rows = weights.rows_apart()
+            if self.strict and nan_rows.numel():  # v1's rule: a non-finite scale raises
+                check_finite(float_bits(weights.scale), BFLOAT16, "weight_scale")
         if slow.numel() and chosen.kernel is not WIDE:  # spreads no fast kernel holds
             y[:, slow.to(x.device)] = linear_rows(x2, weights, slow, out_format,
                                                   WIDE.prepare(weights))
         if bad_rows is not None:
             y = y.masked_fill_(bad_rows[:, None], float("nan"))
-        if nan_rows.numel():
+        if nan_rows.dtype == torch.bool:  # a mask on the device: nothing read back
+            y = y.masked_fill_(nan_rows[None, :], float("nan"))
+        elif nan_rows.numel():
             y = y.index_fill_(1, nan_rows.to(y.device), float("nan"))
         if x.requires_grad and torch.is_grad_enabled():
             y = _NoBackward.apply(x, y)

@@ -447,8 +447,9 @@ def test_the_gpu_checks_non_finite_check_runs():
 
 @needs_triton
 def test_a_cuda_graph_capture_is_refused_before_any_launch(monkeypatch):
-    """Under capture the layer raises its own error at once (its buffer compare reads the
-    device); bench/gpu_check.py checks it on a real GPU."""
+    """Under capture the layer raises its own error at once, before it reads any buffer (a
+    forward reads back whether any weight row is slow); bench/gpu_check.py checks it on a real
+    GPU."""
     layer = ExactLinear.from_weight(torch.randn(4, 64), backend="triton")
     x = torch.randn(3, 64)
     monkeypatch.setattr(triton_exact, "capturing", lambda x: True)

@@ -2,6 +2,9 @@
 any door are seen at the next forward, buffers no kernel can read and inputs no kernel can take
 get a typed error, every path is exact at every K, and the slow rows run in bounded blocks."""
 
+import os
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -288,3 +291,38 @@ def test_slow_rows_run_in_bounded_blocks_of_rows(monkeypatch):
     want = reference_linear(bits(x.bfloat16()), "bfloat16", weights["weight_packed"].numpy(),
                             bits(scale))
     assert (bits(y) == want).all()
+
+
+# ------------------------------------------------------------------ 4. the GPU family's host reads
+
+DEVICE_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
+
+
+def test_the_triton_forward_reads_the_device_back_once(monkeypatch):
+    """Issue 40: a Triton-family forward (here under the interpreter) makes one read of the
+    device in the package's own code, whether any weight row is slow, and no other: no
+    .item(), .tolist(), .cpu(), bool() or torch.equal of a tensor. Writes to the weights, a
+    non-finite scale included (NaN on the device), change nothing of that."""
+    require("triton-group")
+    layer = here("triton-group")
+    layer(X)  # the plan, weight_shape's one check
+    reads = []
+
+    def spying(name, original):
+        def spy(*args, **kwargs):
+            caller = sys._getframe(1).f_code
+            if f"{os.sep}exactness{os.sep}" in caller.co_filename:
+                reads.append((name, caller.co_name))
+            return original(*args, **kwargs)
+        return spy
+
+    for name in DEVICE_READS:
+        monkeypatch.setattr(torch.Tensor, name, spying(name, getattr(torch.Tensor, name)))
+    monkeypatch.setattr(torch, "equal", spying("equal", torch.equal))
+    layer(X)
+    through_data_copy(layer, checkpoint(1))
+    layer.weight_scale.data[3, 1] = float("nan")
+    y = layer(X)
+    monkeypatch.undo()
+    assert reads == [("__bool__", "forward")] * 2
+    assert (bits(y)[:, 3] == float_format(X.dtype).nan_bits).all()

@@ -584,15 +584,18 @@ class _TritonKernel:
         back."""
         if capturing(x):
             raise ContractValueError(
-                "the exact layers cannot be captured into a CUDA graph yet: a forward reads the "
-                "scales' slow rows back to the host; run them eagerly")
+                "the exact layers cannot be captured into a CUDA graph yet: a forward reads "
+                "back whether any weight row is slow; run them eagerly")
         return self.launches(x, weights, gpu_weights(weights, x.device),
                              torch_dtype(out_format))
 
     def launches(self, x, weights: Weights, derived: tuple, out_dtype: torch.dtype):
         """y, every block of rows queued, nothing read back."""
         args = (weights.packed, *derived, weights.bits)
-        digits = dataflow.folded_weight_limbs(weights.bits, weights.certificate.fast_spread)
+        # the folded GEMM's digits, sized by the fast rows' spread: a read of the device (the
+        # certified spread would need none, and twice the digits at Kimi's scales)
+        digits = dataflow.folded_weight_limbs(weights.bits, weights.certificate.fast_spread) \
+            if self.folded else 0
         ys = []
         for rows in x.split(rows_per_launch(weights.k, weights.n, weights.act_bits)):
             limbs, e_r, _ = quantize(rows, weights.act_bits)

@@ -650,6 +650,18 @@ CATALOGUE = (
            "pass", "a non-finite scale written in place counted as 0: finite outputs for its row",
            ("tests/test_reliability.py::test_a_non_finite_scale_written_in_place_gives_its_row_nan"
             "[vnni-limbs]",)),
+    Mutant("nan-weight-rows-left-zero-on-the-device",
+           "exactness.modules:_PackedExactLinear.forward",
+           "y = y.masked_fill_(nan_rows[None, :], float(\"nan\"))", "pass",
+           "the Triton forward's rows holding a non-finite scale left finite, not NaN",
+           ("tests/test_reliability.py::test_a_non_finite_scale_written_in_place_gives_its_row_nan"
+            "[triton-group]",)),
+    Mutant("weight-shape-read-at-every-gpu-forward",
+           "exactness.modules:_PackedExactLinear._readable_buffers",
+           "elif self._shape_seen != (id(shape), shape._version):", "elif True:",
+           "a GPU forward reads weight_shape's values back each time: a host sync a CUDA graph "
+           "cannot hold",
+           ("tests/test_reliability.py::test_the_triton_forward_reads_the_device_back_once",)),
     # --- the C kernel (cpu_vnni.c), the CPU path's production code
     Mutant("vnni-high-limb-correction-unscaled", C_KERNEL, "limbs == 1 ? 7 : 15", "7",
            "the bias correction of the high limb not scaled by 256 (per-limb zero points)",
