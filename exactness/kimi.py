@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .contract import BFLOAT16, DEFAULT_ACT_BITS, ExactnessError, check_act_bits
-from .formats import check_finite, float_bits
+from .contract import DEFAULT_ACT_BITS, ExactnessError, check_act_bits
+from .formats import check_finite_tensor
 from .kernels.routing import check_routing
 from .modules import ExactLinear, PackedInt4Linear
 from .moe import activation, experts_forward
@@ -484,7 +484,7 @@ class KimiCheckpoint:
         self._checked.update({self.name_for(module_name, "weight_scale"): scale,
                               self.name_for(module_name, "weight_shape"): shape})
         try:
-            check_finite(float_bits(scale), BFLOAT16, "weight_scale")
+            check_finite_tensor(scale, "weight_scale")
             if [int(v) for v in shape] != [layer.out_features, layer.in_features]:
                 raise KimiCheckpointError(f"weight_shape: {[int(v) for v in shape]}, but the "
                                           f"layer is [{layer.out_features}, {layer.in_features}]")

@@ -31,7 +31,14 @@ from .contract import (
     check_weight_bits,
     float_format,
 )
-from .formats import bits_to_tensor, check_finite, float_bits, pack_weights, zero_word
+from .formats import (
+    bits_to_tensor,
+    check_finite,
+    check_finite_tensor,
+    float_bits,
+    pack_weights,
+    zero_word,
+)
 from .kernels import REGISTRY, Kernel, Plan, Weights, plan, triton_exact
 from .kernels.certificate import Certificate, certify  # noqa: F401 (the layer's API)
 from .kernels.registry import ENV, by_name
@@ -121,7 +128,7 @@ class _PackedExactLinear(nn.Module):
             self._check_shape(state_dict[shape_key], shape_key)
         scale_key = prefix + "weight_scale"
         if scale_key in state_dict:
-            check_finite(float_bits(state_dict[scale_key]), BFLOAT16, scale_key)
+            check_finite_tensor(state_dict[scale_key], scale_key)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys,
                                       unexpected_keys, error_msgs)
 
@@ -195,7 +202,7 @@ class _PackedExactLinear(nn.Module):
         replaces the checkpoint's: every kernel reads the buffers in place or per forward."""
         weights = self.weights()
         if self.strict:
-            check_finite(float_bits(weights.scale), BFLOAT16, "weight_scale")
+            check_finite_tensor(weights.scale, "weight_scale")
         device = weights.packed.device
         family = "triton" if self.backend == "triton" or device.type == "cuda" else "cpu"
         for rows in (1, 128):  # decode and prefill may take two kernels: each built and checked
@@ -278,13 +285,13 @@ class _PackedExactLinear(nn.Module):
             cert = weights.certificate
             nan_rows, slow = cert.nonfinite, EMPTY
             if self.strict and bool(nan_rows.any()):
-                check_finite(float_bits(weights.scale), BFLOAT16, "weight_scale")
+                check_finite_tensor(weights.scale, "weight_scale")
             if chosen.kernel is not WIDE and bool((~cert.fast).any()):
                 slow = cert.slow_rows.cpu()
         else:  # as the C kernel found them, or the certificate
             slow, nan_rows = weights.rows_apart()
             if self.strict and nan_rows.numel():  # v1's rule: a non-finite scale raises
-                check_finite(float_bits(weights.scale), BFLOAT16, "weight_scale")
+                check_finite_tensor(weights.scale, "weight_scale")
         if slow.numel() and chosen.kernel is not WIDE:  # spreads no fast kernel holds
             y[:, slow.to(x.device)] = linear_rows(x2, weights, slow, out_format,
                                                   WIDE.prepare(weights))

@@ -16,8 +16,8 @@ import functools
 import torch
 
 from .. import dataflow
-from ..contract import GROUP_SIZE, FloatFormat, float_format
-from ..formats import bits_to_tensor, check_finite, float_bits, round_scaled_array
+from ..contract import GROUP_SIZE, FloatFormat
+from ..formats import bits_to_tensor, check_finite_tensor, round_scaled_array
 from .activations import quantize_rows
 from .registry import Fit, Weights, int8_limbs_hold, no, yes
 
@@ -66,8 +66,7 @@ def int_mm_exact(device: str = "cpu") -> bool:
 def forward(x: torch.Tensor, weights: Weights, out_format: FloatFormat, accumulate_t):
     """The CPU kernels' forward around their T: x checked finite and quantized in float64
     (quantize_rows), T = accumulate_t(qa) [M, N] int64, then the one rounding by formats."""
-    if not bool(torch.isfinite(x).all()):
-        check_finite(float_bits(x), float_format(x.dtype), "x")
+    check_finite_tensor(x, "x")
     qa, e_r = quantize_rows(x, weights.act_bits)
     t = accumulate_t(qa)
     e = e_r[:, None] + weights.certificate.emin[None, :]

@@ -15,10 +15,10 @@ from __future__ import annotations
 import torch
 
 from .. import dataflow
-from ..contract import BFLOAT16, GROUP_SIZE, FloatFormat, float_format
+from ..contract import BFLOAT16, GROUP_SIZE, FloatFormat
 from ..formats import (
     bits_to_tensor,
-    check_finite,
+    check_finite_tensor,
     finite_mask,
     float_bits,
     round_scaled,
@@ -83,8 +83,7 @@ def quantized(x: torch.Tensor, act_bits: int) -> tuple[torch.Tensor, torch.Tenso
     their own outputs), else by quantize_rows. Either raises NonFiniteError for a non-finite x."""
     lib = native.library()
     if lib is None:
-        if not bool(torch.isfinite(x).all()):
-            check_finite(float_bits(x), float_format(x.dtype), "x")  # raises: count, index
+        check_finite_tensor(x, "x")  # raises: count, index
         return quantize_rows(x, act_bits)
     limbs, e_r = native.quantize(x, act_bits, lib)  # the bytes of qa + 2**(8 L - 1)
     biased = torch.zeros(limbs.shape[1:], dtype=torch.int64)
