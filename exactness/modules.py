@@ -94,7 +94,7 @@ class _PackedExactLinear(nn.Module):
                              kernel=kernel,  # None: the plan picks (or EXACTNESS_KERNEL)
                              strict=strict,  # a non-finite x or scale raises (v1's rule)
                              _plans={},  # the forward's plans (they read no buffer)
-                             _shape_seen=None)  # the GPU weight_shape last checked
+                             _shape_seen=(None, 0))  # the GPU weight_shape last checked
         n, k = out_features, in_features
         # zero weights until a checkpoint loads: one fill, nothing on device="meta"
         self.register_buffer("weight_packed", torch.full(
@@ -157,12 +157,13 @@ class _PackedExactLinear(nn.Module):
         packed, scale, shape = self.checked_buffers()
         if not (shape.is_cuda or self.backend == "triton"):
             self._check_shape(shape, "weight_shape")
-        elif self._shape_seen != (id(shape), shape._version):
+        elif self._shape_seen[0] is not shape or self._shape_seen[1] != shape._version:
             # for the GPU its values are read once per tensor and in-place op (torch's version
             # counter), not every forward: that read waits for the device, and no kernel reads
-            # them. (A write through .data, which bumps no version, is not seen here.)
+            # them. (A write through .data, which bumps no version, is not seen here.) The tensor
+            # itself is kept, not its id, which a new tensor may reuse.
             self._check_shape(shape, "weight_shape")
-            self._shape_seen = (id(shape), shape._version)
+            self._shape_seen = (shape, shape._version)
         return packed, scale
 
     # ----------------------------------------------------------------- derived data

@@ -371,7 +371,6 @@ class InPlace:
     flags (slow, non-finite scale) here; `found()` reads the flags back."""
 
     def __init__(self, weights: Weights):
-        self.weights = weights
         self.packed, self.scale = weights.packed, weights.scale  # the call reads these in place
         self.n, self.k = weights.n, weights.k
         self.np = -(-self.n // 16) * 16
@@ -809,11 +808,11 @@ def _self_check(lib) -> Fit:
         scale_bits[3, 0] = 0x7F80  # +inf
         scale_bits[4] &= 0x807F  # subnormal
         scale_bits[n - 1, -1] = 0xFFC1  # a NaN, in the buffer's last element
-        weights = Weights(torch.from_numpy(pack_weights(q.numpy(), bits)),
-                          bits_to_tensor(scale_bits, BFLOAT16), n, k, bits, 16)
+        packed, scale = torch.from_numpy(pack_weights(q.numpy(), bits)), bits_to_tensor(
+            scale_bits, BFLOAT16)
         for act_bits in (8, 16, 32):
-            weights.act_bits = act_bits
-            cert = certify(weights.scale, k, bits, act_bits)
+            weights = Weights(packed, scale, n, k, bits, act_bits)
+            cert = certify(scale, k, bits, act_bits)
             derived, in_place = NativeWeights(q, cert.factor), InPlace(weights)
             for fmt in FORMATS.values():
                 x = torch.randn(6, k, generator=g).to(torch_dtype(fmt))
@@ -895,29 +894,15 @@ class _VnniKernel:
         return y
 
 
-def takes_spans(rows: int, weights: Weights) -> bool:
-    """Whether `rows` rows against `weights` go through the span kernel, where the plan would
-    send them: 16-bit activations, 4-bit weights, from SPAN_MIN_ROWS rows on."""
-    return weights.act_bits == 16 and weights.bits == 4 and rows >= SPAN_MIN_ROWS
-
-
 class _VnniGroupedKernel(_VnniKernel):
     """cpu_vnni.c's grouped call (exact_grouped): every routed expert's rows in one call, each
-    expert's through the kernel the plan would take for that many rows (takes_spans). As a
-    layer's kernel (kernel="vnni-grouped"): one expert, every row routed to it."""
+    layer read in place by the limb kernel. As a layer's kernel (kernel="vnni-grouped"): one
+    expert, every row routed to it (the limb kernel's prepare and run)."""
 
     grouped, reads = True, "layers"
 
     def __init__(self):
         super().__init__("vnni-grouped", spans=False, min_rows=0, auto=False)
-
-    def prepare(self, weights: Weights) -> InPlace:
-        return InPlace(weights)
-
-    def run(self, x, weights: Weights, prepared: InPlace, out_format: FloatFormat):
-        y = linear(x, weights.act_bits, prepared, None, out_format)
-        weights.found = prepared.found()
-        return y
 
     def run_grouped(self, x, routing, experts, bits: int, act_bits: int, out_format: FloatFormat,
                     gather: bool, workspace=None):

@@ -123,7 +123,9 @@ class Kernel(Protocol):
 class Plan:
     kernel: Kernel
     why: str
-    slow_rows: int  # weight rows spliced in from the wide kernel
+    # weight rows spliced in from the wide kernel: layer.plan(x) counts them (the forward's
+    # plan reads no scales)
+    slow_rows: int = 0
     passed_over: tuple[tuple[str, str], ...] = field(default=())  # (kernel, why not)
 
     def __str__(self) -> str:
@@ -162,7 +164,7 @@ def plan_grouped(kernels, family: str, device: torch.device, act_bits: int,
         if not fit:
             raise KernelUnavailableError(f"kernel {forced!r} was asked for ({ENV}=), but "
                                          f"{fit.why}")
-        return Plan(kernel, f"asked for by {ENV}={forced}", 0)
+        return Plan(kernel, f"asked for by {ENV}={forced}")
     passed = []
     for kernel in kernels:
         if not kernel.grouped or kernel.family != family:
@@ -170,7 +172,7 @@ def plan_grouped(kernels, family: str, device: torch.device, act_bits: int,
         fit = kernel.available(device)
         fit = fit and int8_limbs_hold(act_bits, kernel.act_limbs)
         if fit:
-            return Plan(kernel, fit.why, 0, tuple(passed))
+            return Plan(kernel, fit.why, passed_over=tuple(passed))
         passed.append((kernel.name, fit.why))
     raise KernelUnavailableError(f"no grouped {family} kernel runs here or holds this: "
                                  f"{'; '.join(f'{name}: {why}' for name, why in passed)}")
@@ -179,7 +181,6 @@ def plan_grouped(kernels, family: str, device: torch.device, act_bits: int,
 def plan(kernels, family: str, device: torch.device, rows: int, weights: Weights,
          forced: str | None = None) -> Plan:
     """The kernel a forward of `rows` rows on `device` takes, and why (see the module's doc)."""
-    slow = 0  # the forward's plan reads no scales: layer.plan(x) counts the slow rows
     by = "kernel=" if forced else f"{ENV}="
     forced = forced or os.environ.get(ENV) or None
     if forced:
@@ -188,7 +189,7 @@ def plan(kernels, family: str, device: torch.device, rows: int, weights: Weights
             if not fit:
                 raise KernelUnavailableError(f"kernel {forced!r} was asked for ({by}), but "
                                              f"{fit.why}")
-        return Plan(kernel, f"asked for by {by}{forced}", slow)
+        return Plan(kernel, f"asked for by {by}{forced}")
     passed = []
     for kernel in kernels:
         if not kernel.auto or kernel.family != family:
@@ -199,6 +200,6 @@ def plan(kernels, family: str, device: torch.device, rows: int, weights: Weights
         fits = (kernel.available(device), kernel.eligible(rows, weights))
         bad = next((fit for fit in fits if not fit), None)
         if bad is None:
-            return Plan(kernel, "; ".join(fit.why for fit in fits), slow, tuple(passed))
+            return Plan(kernel, "; ".join(fit.why for fit in fits), passed_over=tuple(passed))
         passed.append((kernel.name, bad.why))
     raise KernelUnavailableError(f"no {family} kernel runs here: {passed}")

@@ -181,7 +181,8 @@ def representation(layer: PackedInt4Linear) -> list[tuple[str, float]]:
     layer(torch.zeros(1, layer.in_features, dtype=torch.bfloat16))  # build the derived data
     checkpoint = layer.weight_packed.numel() * 4 + layer.weight_scale.numel() * 2
     return [("packed int4 + bf16 scales (the checkpoint's tensors)", checkpoint / weights),
-            ("the layer's derived data (certificate, CPU limbs)", layer.derived_nbytes() / weights),
+            ("what the layer holds besides them (the kernels read them in place)",
+             layer.derived_nbytes() / weights),
             ("a bf16 weight", dequantized(layer, torch.bfloat16).element_size()),
             ("an fp32 weight", 4.0)]
 
