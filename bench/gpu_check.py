@@ -7,7 +7,8 @@ quantization alone and the group kernel's other tiles and warp counts at M = 1, 
 (same bits, their times), so that one run on a lent GPU also says which launch and crossover to
 make the default. Last, an MoE layer's routed experts at Kimi's sizes (moe_check): the grouped
 call's bits against the per-expert loop, its read-backs counted (one a call), its time beside the
-loop's and transformers' bf16 experts'. Prints tables; exit 1 on any differing bit, a non-finite
+loop's and transformers' bf16 experts'. Then a checkpoint streamed straight to the GPU
+(load_check). Prints tables; exit 1 on any differing bit, a non-finite
 x let through, a capture not refused or a second read-back."""
 
 from __future__ import annotations
@@ -112,7 +113,46 @@ def main() -> int:
                   f"{graphed(layer, x, w)} |")
     bad += tiles()
     bad += moe_check()
+    bad += load_check()
     return 1 if bad else 0
+
+
+def load_check(experts: int = 8) -> int:
+    """bench_load's checkpoint (full-width experts), streamed straight to the GPU by both
+    loaders: every routed tensor on the device and equal to the CPU load's, an expert's output
+    the same bits as on the CPU, and the time beside the CPU load's. Returns 1 on a
+    difference."""
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from bench.bench_load import write
+    from exactness import hf
+    from exactness.kimi import KimiConfig, KimiModel, convert_kimi_to_exact
+
+    directory = write(Path(tempfile.mkdtemp()) / "load", experts)
+    loaded, seconds = {}, {}
+    for device in ("cpu", "cuda"):
+        with torch.device("meta"):
+            model = KimiModel(KimiConfig(hidden_size=7168, moe_intermediate_size=2048,
+                                         n_routed_experts=experts, num_hidden_layers=1,
+                                         first_k_dense_replace=0))
+        start = time.perf_counter()
+        report = convert_kimi_to_exact(model, directory, device=device, progress=False)
+        torch.cuda.synchronize()
+        seconds[device] = (time.perf_counter() - start, report.bytes_read)
+        loaded[device] = model
+    cpu, gpu = (dict(loaded[d].named_buffers()) for d in ("cpu", "cuda"))
+    same = all(b.device.type == "cuda" and torch.equal(b.cpu(), cpu[n]) for n, b in gpu.items())
+    layer = {d: loaded[d].model.layers[0].mlp.experts[0].gate_proj for d in loaded}
+    x = torch.randn(4, 7168).bfloat16()
+    same &= torch.equal(layer["cuda"](x.cuda()).cpu(), layer["cpu"](x))
+    model = hf.from_pretrained(directory, device="cuda", progress=False)
+    on_gpu = {t.device.type for t in (*model.parameters(), *model.buffers())} == {"cuda"}
+    print(f"load to the GPU: {'same tensors and bits as the CPU' if same else 'DIFFERENT'}; "
+          f"from_pretrained: {'all on cuda' if on_gpu else 'NOT ALL ON CUDA'}; " + ", ".join(
+              f"{d} {s:.2f} s ({b / s / 1e9:.2f} GB/s)" for d, (s, b) in seconds.items()))
+    return int(not (same and on_gpu))
 
 
 def moe_check(experts: int = 32, tokens=(1, 16, 128, 1024)) -> int:

@@ -156,10 +156,18 @@ def check_finite(bits, fmt: FloatFormat, name: str) -> None:
             f"{name} has {int(bad.sum())} non-finite value(s); the first at index {first}")
 
 
+CHECK_STEP = 2**16  # a CPU check's elements a step (below)
+
+
 def check_finite_tensor(t: torch.Tensor, name: str) -> None:
-    """check_finite of a float tensor's values: one torch.isfinite pass (6x the bit-pattern
-    check's speed on bf16 scales), the bit patterns only to name the first bad index."""
-    if not bool(torch.isfinite(t).all()):
+    """check_finite of a float tensor's values: torch.isfinite (6x the bit-pattern check's
+    speed on bf16 scales), the bit patterns only to name the first bad index. On the CPU in
+    steps of CHECK_STEP elements: a larger temporary passes glibc's 128 KiB mmap threshold,
+    which then rises, and a loader's thousands of checks left up to 240 MiB of heap behind
+    (bench/bench_load.py); on a GPU in one step, one read of the device."""
+    flat = t.reshape(-1)
+    steps = flat.split(CHECK_STEP) if t.device.type == "cpu" else (flat,)
+    if not all(bool(torch.isfinite(step).all()) for step in steps):
         check_finite(float_bits(t), float_format(t.dtype), name)
 
 

@@ -18,6 +18,7 @@ tower's tensors are left on disk and listed in the model's `exactness_skipped`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -30,7 +31,12 @@ from .kimi import (
     ExactExperts,
     KimiCheckpoint,
     KimiCheckpointError,
+    KimiConversionError,
+    install,
     is_fused_experts,
+    load_routed,
+    local_experts,
+    make_remote,
     replace_module,
 )
 from .modules import PackedInt4Linear
@@ -51,64 +57,94 @@ def text_config(raw: dict, where: str) -> DeepseekV3Config:
 
 
 def from_pretrained(path: str | Path, act_bits: int = DEFAULT_ACT_BITS, *, device="cpu",
-                    dtype: torch.dtype = torch.bfloat16) -> DeepseekV3ForCausalLM:
+                    dtype: torch.dtype = torch.bfloat16,
+                    experts: Callable[[int, int], bool] | None = None, rank: int | None = None,
+                    world: int | None = None, mmap: bool = False,
+                    progress: bool | None = None) -> DeepseekV3ForCausalLM:
     """A Kimi K2 / K2.5 checkpoint (compressed-tensors pack-quantized experts) as transformers'
-    DeepseekV3ForCausalLM with exact routed experts. Reads each tensor once; raises
-    KimiCheckpointError naming the file and tensor for anything it cannot load as stored."""
+    DeepseekV3ForCausalLM with exact routed experts. Every header is checked first, then each
+    tensor streams from the mapped shards to `device`, checked as it is read; raises
+    KimiCheckpointError naming the file and tensor for anything it cannot load as stored.
+    `experts=`, `rank=`/`world=`, `mmap=` and `progress=` as in kimi.convert_kimi_to_exact;
+    the experts held elsewhere are listed in the model's `exactness_remote`."""
     checkpoint = KimiCheckpoint(path)
     try:
         prefix = K25_TEXT if checkpoint.raw_config.get("model_type") == "kimi_k25" else ""
         config = text_config(checkpoint.raw_config, str(checkpoint.dir / "config.json"))
+        local = local_experts(experts, rank, world, checkpoint.config.n_routed_experts)
+        if mmap and torch.device(device).type != "cpu":
+            raise KimiConversionError(f"mmap=True maps the shards into host memory: it loads "
+                                      f"onto the CPU, not {device}")
         with torch.device("meta"):
             model = DeepseekV3ForCausalLM(config).to(dtype)
+        routed, parents, remote = {}, {}, []
         for name, module in list(model.named_modules()):
             if is_fused_experts(module):
-                replace_module(model, name, ExactExperts.like(module, act_bits, device="meta"))
-        state, skipped = _read_state(model, checkpoint, prefix)
+                new = ExactExperts.like(module, act_bits, device="meta")
+                replace_module(model, name, new)
+                for e, expert in enumerate(new):
+                    parents[f"{name}.{e}"] = expert
+                    for proj in ("gate", "up", "down"):
+                        routed[f"{name}.{e}.{proj}_proj"] = getattr(expert, f"{proj}_proj")
+        if local is not None:
+            remote = make_remote(routed, local, parents, {})
+        state, skipped = _read_state(model, checkpoint, prefix, routed, remote, device, mmap,
+                                     progress)
     finally:
         checkpoint.close()
-    model.load_state_dict(state, strict=True, assign=True)
-    _materialize_rotary(model, config)
-    model.exactness_skipped = skipped
+    for name, layer in routed.items():
+        install(layer, state.pop(name))
+    model.load_state_dict(state, strict=False, assign=True)  # every key: _read_state
+    _materialize_rotary(model, config, device)
+    model.exactness_skipped, model.exactness_remote = skipped, remote
     return model.to(device).eval()
 
 
-def _read_state(model: nn.Module, checkpoint: KimiCheckpoint,
-                prefix: str) -> tuple[dict, list[str]]:
-    """Every persistent tensor of `model` from the checkpoint (routed projections checked by
-    check_packed first, every other tensor against its header's shape), and the checkpoint's
-    names outside `prefix` (K2.5's vision tower). Raises for a tensor missing or left over."""
-    expected = model.state_dict()
-    routed = {name: m for name, m in model.named_modules() if isinstance(m, PackedInt4Linear)}
-    for name, layer in routed.items():  # all header checks before the first packed byte
-        checkpoint.check_packed(layer, prefix + name)
-    state, taken = {}, set()
-    for name in expected:
+def _read_state(model: nn.Module, checkpoint: KimiCheckpoint, prefix: str,
+                routed: dict[str, PackedInt4Linear], remote: list[str], device, mmap: bool,
+                progress: bool | None) -> tuple[dict, list[str]]:
+    """Every persistent tensor of `model` from the checkpoint: {projection: its three tensors}
+    for the `routed` layers (kimi.load_routed), {key: tensor} for the rest, each checked
+    against its header before any is read. And the checkpoint's names outside `prefix` (K2.5's
+    vision tower). Raises for a tensor missing or left over (those of `remote` experts are
+    left on disk on purpose)."""
+    wanted = {}
+    for name, tensor in model.state_dict().items():
         module, _, key = name.rpartition(".")
-        stored = prefix + name
         if module in routed and key in PACKED_KEYS:
-            stored = checkpoint.name_for(prefix + module, key)
-        elif stored not in checkpoint.weight_map:
+            continue
+        stored = prefix + name
+        if stored not in checkpoint.weight_map:
             raise KimiCheckpointError(f"{checkpoint.index_file}: {stored!r}: missing, but the "
                                       f"model has {name!r}")
-        tensor = checkpoint.read(stored)
-        if key not in PACKED_KEYS and tuple(tensor.shape) != tuple(expected[name].shape):
-            raise KimiCheckpointError(f"{checkpoint.dir / checkpoint.weight_map[stored]}: "
-                                      f"{stored!r}: shape {tuple(tensor.shape)}, the model's "
-                                      f"{name} is {tuple(expected[name].shape)}")
-        state[name] = tensor
-        taken.add(stored)
+        shard, entry = checkpoint.entry(stored)
+        if entry.shape != tuple(tensor.shape):
+            raise KimiCheckpointError(f"{shard.path}: {stored!r}: shape {entry.shape}, the "
+                                      f"model's {name} is {tuple(tensor.shape)}")
+        wanted[name] = stored
+    taken = set(wanted.values())
+    for name in list(routed) + [f"{e}.{p}_proj" for e in remote for p in ("gate", "up", "down")]:
+        for key in PACKED_KEYS:
+            try:
+                taken.add(checkpoint.name_for(prefix + name, key))
+            except KimiCheckpointError:
+                if name in routed:
+                    raise
     left = sorted(n for n in checkpoint.weight_map if n not in taken and n.startswith(prefix))
     if left:
         raise KimiCheckpointError(f"{checkpoint.index_file}: {len(left)} tensors no module of "
                                   f"the model takes, e.g. {left[:3]}")
+    state = load_routed(checkpoint, {prefix + n: layer for n, layer in routed.items()}, device,
+                        mmap, progress)
+    state = {name.removeprefix(prefix): tensors for name, tensors in state.items()}
+    state.update(checkpoint.stream(wanted, device=device, mapped=mmap, progress=progress))
     return state, sorted(n for n in checkpoint.weight_map if not n.startswith(prefix))
 
 
-def _materialize_rotary(model: nn.Module, config: DeepseekV3Config) -> None:
+def _materialize_rotary(model: nn.Module, config: DeepseekV3Config, device) -> None:
     """The rotary embedding's buffers are computed, not stored: built again off the meta
     device. Any other tensor still on meta is an error, never a silent placeholder."""
-    with torch.device("cpu"):
+    with torch.device(device):
         model.model.rotary_emb = type(model.model.rotary_emb)(config)
     left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
     if left:
@@ -129,7 +165,9 @@ class ExactKimiK2ForCausalLM(DeepseekV3ForCausalLM):
     @classmethod
     def from_pretrained(cls, path, *args, act_bits: int = DEFAULT_ACT_BITS, device="cpu",
                         **kwargs) -> DeepseekV3ForCausalLM:
-        return from_pretrained(path, act_bits, device=device)
+        options = ("dtype", "experts", "rank", "world", "mmap", "progress")
+        return from_pretrained(path, act_bits, device=device,
+                               **{k: v for k, v in kwargs.items() if k in options})
 
 
 def register() -> None:

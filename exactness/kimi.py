@@ -6,27 +6,34 @@
   `config.use_exact_generators` is true; shared experts and the dense MLP stay `nn.Linear`.
 - `KimiCheckpoint`: reads only the tensors asked for from the safetensors shards listed in
   `model.safetensors.index.json`, after checking config.json, the index and each shard's header;
-  anything malformed in them is a `KimiCheckpointError` that names the file and the key.
+  anything malformed in them is a `KimiCheckpointError` that names the file and the key. The
+  tensors stream through safetensors' `safe_open` (mapped), shard by shard.
 - `convert_kimi_to_exact`: swaps routed-expert projections for loaded `PackedInt4Linear`s (zero
   conversion of the int4 weights), all or nothing: every read and check comes before the swap.
+  Options for K2's size: `device=`, `mmap=True`, `experts=` / `rank=`, `world=`, `progress=`.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
 import re
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from .contract import DEFAULT_ACT_BITS, ExactnessError, check_act_bits
 from .formats import check_finite_tensor
 from .kernels.routing import check_routing
 from .modules import ExactLinear, PackedInt4Linear
-from .moe import activation, experts_forward
+from .moe import RemoteLinear, activation, experts_forward
 
 
 class KimiCheckpointError(ExactnessError, ValueError):
@@ -349,24 +356,23 @@ def parse_safetensors_header(raw: bytes, data_start: int, data_size: int,
 class Shard:
     path: Path
     tensors: dict[str, TensorEntry]
+    size: int  # the file's size when its header was read
 
 
 class KimiCheckpoint:
     """A checkpoint directory: config.json, model.safetensors.index.json and its shards (or one
-    model.safetensors). The shards are read with plain reads, not mapped: a file that shrinks
-    under the reader is then an error, not a SIGBUS. `close()` closes the open shards."""
+    model.safetensors). Headers are read and checked here, with plain reads; tensors are read
+    through safetensors' `safe_open`, which maps each shard copy-on-write (a write to a tensor
+    never reaches the file). Before each tensor the shard's size is looked at again: a file cut
+    short under the reader is an error, not the SIGBUS of reading a mapped page past its end.
+    `close()` drops the mappings (a mapped tensor keeps its own)."""
 
     def __init__(self, directory: str | Path):
         self.dir = Path(directory)
         self.bytes_read = 0
-        self._files = {}  # shard path -> its open file
         self._shards: dict[str, Shard] = {}  # the index's file name -> the shard, header checked
-        self._checked: dict[str, torch.Tensor] = {}  # small tensors read ahead by check_packed
-        try:
-            self._read_config_and_index()
-        except BaseException:
-            self.close()
-            raise
+        self._mapped: dict[Path, object] = {}  # shard path -> its safe_open handle
+        self._read_config_and_index()
 
     def _read_config_and_index(self) -> None:
         config_file = self.dir / "config.json"
@@ -395,22 +401,16 @@ class KimiCheckpoint:
                                       f"model.safetensors)")
 
     def close(self) -> None:
-        for file in self._files.values():
-            file.close()
-        self._files.clear()
+        self._mapped.clear()
 
-    def read_bytes(self, path: Path, offset: int, length: int) -> bytearray:
-        """Up to `length` bytes of `path` from `offset` (fewer where the file ends first): the
-        one place the shards are read."""
-        if path not in self._files:
-            self._files[path] = open(path, "rb")  # kept open until close()
-        file = self._files[path]
-        file.seek(offset)
-        data = bytearray(length)
-        del data[file.readinto(data):]
-        return data
+    def read_bytes(self, path: Path, offset: int, length: int) -> bytes:
+        """Up to `length` bytes of `path` from `offset` (fewer where the file ends first): how
+        headers are read."""
+        with open(path, "rb") as file:
+            file.seek(offset)
+            return file.read(length)
 
-    def _read_exactly(self, path: Path, offset: int, length: int, where: str) -> bytearray:
+    def _read_exactly(self, path: Path, offset: int, length: int, where: str) -> bytes:
         try:
             data = self.read_bytes(path, offset, length)
         except OSError as e:
@@ -446,7 +446,7 @@ class KimiCheckpoint:
                                       f"{size}: refusing the allocation")
         raw = self._read_exactly(path, 8, header_len, f"{path}: header")
         tensors = parse_safetensors_header(raw, 8 + header_len, size - 8 - header_len, str(path))
-        self._shards[file_name] = Shard(path, tensors)
+        self._shards[file_name] = Shard(path, tensors, size)
         return self._shards[file_name]
 
     def name_for(self, module_name: str, key: str) -> str:
@@ -460,7 +460,8 @@ class KimiCheckpoint:
                 return candidate
         raise KimiCheckpointError(f"tensor {name!r} is not in the checkpoint's weight_map")
 
-    def _entry(self, name: str) -> tuple[Shard, TensorEntry]:
+    def entry(self, name: str) -> tuple[Shard, TensorEntry]:
+        """The shard holding the tensor `name` (listed in the index) and its header entry."""
         shard = self._shard(self.weight_map[name])
         if name not in shard.tensors:
             raise KimiCheckpointError(f"{shard.path}: tensor {name!r}: not in the shard, though "
@@ -468,61 +469,117 @@ class KimiCheckpoint:
         return shard, shard.tensors[name]
 
     def check_packed(self, layer: PackedInt4Linear, module_name: str) -> None:
-        """Everything `load_packed` would refuse, found before anything is loaded: presence,
-        dtypes and shapes from the headers; scale finiteness and weight_shape from their (small)
-        data. The packed words themselves are not read."""
+        """From the headers alone, everything about one projection's three tensors that a load
+        would refuse: presence, dtypes and shapes. Their values (finite scales, weight_shape)
+        are checked as they are read (`check_values`)."""
         for key, (shape, dtypes) in layer._expected().items():
-            shard, entry = self._entry(self.name_for(module_name, key))
+            shard, entry = self.entry(self.name_for(module_name, key))
             where = f"{shard.path}: {module_name}: {key}"
             if TORCH_DTYPES.get(entry.dtype) not in dtypes:
                 raise KimiCheckpointError(f"{where}: dtype {entry.dtype}, expected one of "
                                           f"{dtypes}")
             if entry.shape != shape:
                 raise KimiCheckpointError(f"{where}: shape {entry.shape}, expected {shape}")
-        scale, shape = (self.read(self.name_for(module_name, k))
-                        for k in ("weight_scale", "weight_shape"))
-        self._checked.update({self.name_for(module_name, "weight_scale"): scale,
-                              self.name_for(module_name, "weight_shape"): shape})
-        try:
-            check_finite_tensor(scale, "weight_scale")
-            if [int(v) for v in shape] != [layer.out_features, layer.in_features]:
-                raise KimiCheckpointError(f"weight_shape: {[int(v) for v in shape]}, but the "
-                                          f"layer is [{layer.out_features}, {layer.in_features}]")
-        except ExactnessError as e:
-            name = self.name_for(module_name, "weight_scale")
-            raise KimiCheckpointError(f"{self.dir / self.weight_map[name]}: {module_name}: {e}"
-                                      ) from e
 
-    def read(self, name: str) -> torch.Tensor:
-        """One tensor, in its stored dtype and shape (one of TORCH_DTYPES)."""
-        if name in self._checked:  # read once, by check_packed
-            return self._checked.pop(name)
-        shard, entry = self._entry(name)
+    def check_values(self, layer: PackedInt4Linear, module_name: str, key: str,
+                     tensor: torch.Tensor) -> None:
+        """What the headers cannot say about one of a projection's tensors, checked once as it
+        is read: every scale finite, weight_shape the layer's [out, in]."""
+        try:
+            if key == "weight_scale":
+                check_finite_tensor(tensor, "weight_scale")
+            elif key == "weight_shape":
+                got = [int(v) for v in tensor.tolist()]
+                if got != [layer.out_features, layer.in_features]:
+                    raise KimiCheckpointError(f"weight_shape: {got}, but the layer is "
+                                              f"[{layer.out_features}, {layer.in_features}]")
+        except ExactnessError as e:
+            file = self.dir / self.weight_map[self.name_for(module_name, key)]
+            raise KimiCheckpointError(f"{file}: {module_name}: {e}") from e
+
+    def _map(self, shard: Shard):
+        """The shard's safe_open handle (the library maps it, copy-on-write, and checks its
+        header again: its refusal is named here)."""
+        handle = self._mapped.get(shard.path)
+        if handle is None:
+            try:
+                handle = self._mapped[shard.path] = safe_open(str(shard.path), framework="pt")
+            except (SafetensorError, OSError) as e:
+                raise KimiCheckpointError(f"{shard.path}: safetensors refuses it ({e})") from e
+        return handle
+
+    def release(self, file_name: str) -> None:
+        """Drop a shard's mapping once its tensors are read: its pages leave the process's
+        resident memory (those of a mapped tensor stay, for as long as it lives)."""
+        self._mapped.pop(self._shard(file_name).path, None)
+
+    def read(self, name: str, device=None, *, mapped: bool = False,
+             check: Callable[[torch.Tensor], None] | None = None) -> torch.Tensor:
+        """One tensor, in its stored dtype and shape (one of TORCH_DTYPES): a copy on `device`
+        (the CPU by default), or with `mapped`, the file's own pages, copy-on-write. `check` runs
+        on the mapped tensor before any copy."""
+        shard, entry = self.entry(name)
         where = f"{shard.path}: tensor {name!r}"
         dtype = TORCH_DTYPES.get(entry.dtype)
         if dtype is None:
             raise KimiCheckpointError(f"{where}: dtype {entry.dtype}, not one this reader "
                                       f"loads ({', '.join(TORCH_DTYPES)})")
-        data = self._read_exactly(shard.path, entry.begin, entry.end - entry.begin, where)
-        self.bytes_read += len(data)
-        flat = torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
-        return flat.reshape(entry.shape)
+        view = self.map_tensor(shard, name, where)
+        if view.dtype != dtype or tuple(view.shape) != entry.shape:
+            raise KimiCheckpointError(f"{where}: safetensors reads {view.dtype} "
+                                      f"{tuple(view.shape)}, the header says {entry.dtype} "
+                                      f"{entry.shape}")
+        if check is not None:
+            check(view)
+        self.bytes_read += entry.end - entry.begin
+        if mapped and view.data_ptr() % view.element_size() == 0:
+            return view
+        return view.to(device or "cpu", copy=True)  # (a misaligned tensor is copied to align)
 
-    def read_packed(self, layer: PackedInt4Linear, module_name: str) -> dict[str, torch.Tensor]:
-        """One projection's three tensors, on the layer's device (a layer built on meta, to be
-        assigned these very tensors: the CPU), to load into it."""
-        device = layer.weight_packed.device
-        device = torch.device("cpu") if device.type == "meta" else device
-        return {k: self.read(self.name_for(module_name, k)).to(device) for k in PACKED_KEYS}
-
-    def load_packed(self, layer: PackedInt4Linear, module_name: str) -> None:
-        """Load one projection's three tensors; errors name the tensor and the file."""
-        state = self.read_packed(layer, module_name)
+    def map_tensor(self, shard: Shard, name: str, where: str) -> torch.Tensor:
+        """The tensor `name` of `shard` on its mapped pages, once the file is seen to be as long
+        as when its header was read: the one place tensor data is reached."""
         try:
-            layer.load_state_dict(state, assign=True)  # the tensors read: no second copy
-        except ExactnessError as e:
-            file = self.dir / self.weight_map[self.name_for(module_name, "weight_packed")]
-            raise KimiCheckpointError(f"{file}: {module_name}: {e}") from e
+            size = os.stat(shard.path).st_size
+        except OSError as e:
+            raise KimiCheckpointError(f"{where}: read failed ({e})") from e
+        if size != shard.size:
+            what = "truncated" if size < shard.size else "grown"
+            raise KimiCheckpointError(f"{where}: the file was {what} under the reader: {size} "
+                                      f"bytes, {shard.size} when its header was read")
+        try:
+            return self._map(shard).get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise KimiCheckpointError(f"{where}: read failed ({e})") from e
+
+    def stream(self, wanted: dict, *, device=None, mapped: bool = False,
+               check: Callable | None = None, progress: bool | None = None) -> dict:
+        """{key: tensor} for `wanted` {key: the checkpoint's name}: read in file order, shard by
+        shard, each shard's mapping dropped after its last tensor (unless `mapped`), so what
+        the process holds beyond the tensors returned is one shard's pages at most.
+        `check(key, tensor)` sees each tensor as stored before it is copied."""
+        order = sorted(wanted, key=lambda k: (self.weight_map[wanted[k]],
+                                              self.entry(wanted[k])[1].begin))
+        total = sum(e.end - e.begin for e in (self.entry(wanted[k])[1] for k in order))
+        bar = progress_bar(total, progress)
+        out = {}
+        try:
+            for i, key in enumerate(order):
+                name = wanted[key]
+                before = self.bytes_read
+                out[key] = self.read(name, device, mapped=mapped, check=None if check is None
+                                     else functools.partial(check, key))
+                last = i + 1 == len(order) or self.weight_map[wanted[order[i + 1]]] \
+                    != self.weight_map[name]
+                if last and not mapped:
+                    self.release(self.weight_map[name])
+                if bar is not None:
+                    bar.update(self.bytes_read - before)
+                    bar.set_postfix(tensors=f"{i + 1}/{len(order)}", refresh=False)
+        finally:
+            if bar is not None:
+                bar.close()
+        return out
 
     def routed_experts(self) -> dict[tuple[int, int], list[str]]:
         """(layer, expert) -> its projection module names, as the checkpoint lists them."""
@@ -534,6 +591,37 @@ class KimiCheckpoint:
                     found.setdefault((int(m[1]), int(m[2])), []).append(
                         name.removesuffix(".weight_packed"))
         return found
+
+    def read_packed(self, layer: PackedInt4Linear, module_name: str) -> dict[str, torch.Tensor]:
+        """One projection's three tensors, checked (check_packed, check_values), on the layer's
+        device (the CPU for a layer built on meta, to be assigned these very tensors)."""
+        self.check_packed(layer, module_name)
+        device = layer.weight_packed.device
+        device = torch.device("cpu") if device.type == "meta" else device
+        return {k: self.read(self.name_for(module_name, k), device, check=functools.partial(
+            self.check_values, layer, module_name, k)) for k in PACKED_KEYS}
+
+    def load_packed(self, layer: PackedInt4Linear, module_name: str) -> None:
+        """Load one projection's three tensors; errors name the tensor and the file."""
+        install(layer, self.read_packed(layer, module_name))
+
+
+def install(layer: PackedInt4Linear, tensors: dict[str, torch.Tensor]) -> None:
+    """Make checked tensors a layer's buffers, as they are: no copy, and no second check."""
+    for key, tensor in tensors.items():
+        layer.register_buffer(key, tensor)
+
+
+def progress_bar(total: int, enabled: bool | None):
+    """A tqdm bar over `total` bytes, or None: shown where `enabled`, or when None, where
+    standard error is a terminal and the load is over 1 GiB."""
+    if enabled is None:
+        enabled = total > 2**30 and sys.stderr.isatty()
+    if not enabled:
+        return None
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, unit="B", unit_scale=True, desc="exactness: loading")
 
 
 class ExactExpert(nn.Module):
@@ -611,17 +699,19 @@ def is_fused_experts(module: nn.Module) -> bool:
 
 @dataclass
 class ConversionReport:
-    routed_converted: int = 0
+    routed_converted: int = 0  # routed projections made exact here
     routed_loaded: int = 0
     dense_converted: int = 0
     left_bf16: list[str] = field(default_factory=list)
+    remote_experts: list[str] = field(default_factory=list)  # held elsewhere (experts=)
     bytes_read: int = 0  # tensor bytes read from the shards
     peak_rss_growth: int = 0  # how much the process's peak resident memory grew meanwhile
 
     def summary(self) -> dict:
         return {"routed_converted": self.routed_converted, "routed_loaded": self.routed_loaded,
                 "dense_converted": self.dense_converted, "left_bf16": len(self.left_bf16),
-                "bytes_read": self.bytes_read, "peak_rss_growth": self.peak_rss_growth}
+                "remote_experts": len(self.remote_experts), "bytes_read": self.bytes_read,
+                "peak_rss_growth": self.peak_rss_growth}
 
 
 def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -629,15 +719,81 @@ def replace_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(model.get_submodule(parent) if parent else model, child, module)
 
 
+def expert_parallel(rank: int, world: int, n_experts: int) -> Callable[[int, int], bool]:
+    """The routed experts rank `rank` of `world` holds, placed as vLLM's expert parallelism
+    places them by default: a contiguous block each, the first `n_experts % world` ranks one
+    more. A predicate on (layer, expert), for `experts=`."""
+    for what, value, low in (("world", world, 1), ("rank", rank, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise KimiConversionError(f"{what} must be an int >= {low}, got {_short(value)}")
+    if rank >= world:
+        raise KimiConversionError(f"rank {rank} is not below world {world}")
+    base, extra = divmod(n_experts, world)
+    start = rank * base + min(rank, extra)
+    stop = start + base + (rank < extra)
+    return lambda layer, expert: start <= expert < stop
+
+
+def local_experts(experts, rank, world, n_experts: int):
+    """`experts=` (a predicate on (layer, expert)), or the one `rank`/`world` make, or None: all
+    of them."""
+    if rank is None and world is None:
+        if experts is not None and not callable(experts):
+            raise KimiConversionError(f"experts= takes a predicate on (layer, expert), got "
+                                      f"{_short(experts)}")
+        return experts
+    if experts is not None:
+        raise KimiConversionError("experts= or rank= and world=, not both")
+    if rank is None or world is None:
+        raise KimiConversionError(f"rank= and world= go together, got rank={rank!r}, "
+                                  f"world={world!r}")
+    return expert_parallel(rank, world, n_experts)
+
+
+def make_remote(targets: dict[str, PackedInt4Linear], local, parents: dict[str, nn.Module],
+                replacements: dict[str, nn.Module]) -> list[str]:
+    """Each routed projection in `targets` of an expert `local` does not take becomes a
+    RemoteLinear (in its new parent from `parents`, else a replacement) and leaves `targets`.
+    The experts held elsewhere, by name."""
+    remote = set()
+    for name in list(targets):
+        m = ROUTED.match(name)
+        if m is None:
+            raise KimiConversionError(f"{name}: not named like a routed projection, so experts= "
+                                      f"cannot tell which expert it is")
+        if local(int(m[1]), int(m[2])):
+            continue
+        layer = targets.pop(name)
+        stand_in = RemoteLinear(name, layer.in_features, layer.out_features)
+        parent, _, child = name.rpartition(".")
+        if parent in parents:
+            setattr(parents[parent], child, stand_in)
+        else:
+            replacements[name] = stand_in
+        remote.add(parent)
+    return sorted(remote, key=lambda n: [int(p) if p.isdigit() else p for p in n.split(".")])
+
+
 def convert_kimi_to_exact(model: nn.Module, checkpoint_dir: str | Path | None = None, *,
-                          act_bits: int = DEFAULT_ACT_BITS,
-                          dense_bits: int | None = None) -> ConversionReport:
+                          act_bits: int = DEFAULT_ACT_BITS, dense_bits: int | None = None,
+                          experts: Callable[[int, int], bool] | None = None,
+                          rank: int | None = None, world: int | None = None,
+                          mmap: bool = False, device=None,
+                          progress: bool | None = None) -> ConversionReport:
     """Make every routed-expert projection a `PackedInt4Linear` (loaded from the checkpoint when
     one is given), transformers' fused experts (DeepseekV3Experts) an `ExactExperts`; with
-    dense_bits 4 or 8, shared experts and the dense MLP go through
-    `ExactLinear.from_weight`. All or nothing: every tensor is checked and read, and every new
-    module built, before the first change to the model, so a failure (a bad file, a failed
-    read) leaves it exactly as it was."""
+    dense_bits 4 or 8, shared experts and the dense MLP go through `ExactLinear.from_weight`.
+
+    - All or nothing: every header is checked before the first tensor is read, each tensor is
+      checked as it is read (streamed, shard by shard), and the model changes only once every
+      tensor is in. A failure leaves it exactly as it was.
+    - `experts=` (a predicate on (layer, expert)) or `rank=`/`world=` (expert_parallel) load
+      only the experts this process serves; the others become RemoteLinear, listed in the
+      report, and a token routed to one raises MissingExpertError.
+    - `mmap=True`: the int4 tensors stay the shards' own pages, copy-on-write (CPU only).
+    - `device`: where the tensors go, one at a time (default: the routed modules' device, the
+      CPU for a model on meta).
+    - `progress`: a bar (tqdm); None shows it on a terminal for a load over 1 GiB."""
     if dense_bits not in (None, 4, 8):
         raise ValueError(f"dense_bits must be None, 4 or 8, got {dense_bits!r}")
     import resource
@@ -645,17 +801,16 @@ def convert_kimi_to_exact(model: nn.Module, checkpoint_dir: str | Path | None = 
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     checkpoint = KimiCheckpoint(checkpoint_dir) if checkpoint_dir is not None else None
     try:
-        report, targets, replacements, loaded = _stage(model, checkpoint, act_bits, dense_bits)
+        n_experts = checkpoint.config.n_routed_experts if checkpoint else _n_experts(model)
+        local = local_experts(experts, rank, world, n_experts)
+        report, targets, replacements, loaded = _stage(model, checkpoint, act_bits, dense_bits,
+                                                       local, device, mmap, progress)
     finally:
         if checkpoint is not None:
             checkpoint.close()
-    for name, state in loaded.items():  # the new layers first: they are not in the model yet
-        if name in replacements:
-            targets[name].load_state_dict(state, assign=True)
-    # The swap. check_packed checked these very tensors, so none of these loads can refuse.
+    # The swap: every tensor is read and checked, so nothing below can fail.
     for name, state in loaded.items():
-        if name not in replacements:
-            targets[name].load_state_dict(state, assign=True)
+        install(targets[name], state)
     for name, new in replacements.items():
         replace_module(model, name, new)
     report.bytes_read = checkpoint.bytes_read if checkpoint else 0
@@ -663,19 +818,32 @@ def convert_kimi_to_exact(model: nn.Module, checkpoint_dir: str | Path | None = 
     return report
 
 
+def _n_experts(model: nn.Module) -> int:
+    """The routed experts a layer of `model` has (for rank/world without a checkpoint)."""
+    config = getattr(model, "config", None)
+    config = getattr(config, "text_config", config)
+    for key in ("n_routed_experts", "num_local_experts"):
+        if isinstance(getattr(config, key, None), int):
+            return getattr(config, key)
+    return 1 + max((int(m[2]) for name, _ in model.named_modules() if (m := ROUTED.match(name))),
+                   default=-1)
+
+
 def _stage(model: nn.Module, checkpoint: KimiCheckpoint | None, act_bits: int,
-           dense_bits: int | None):
+           dense_bits: int | None, local, device, mmap: bool, progress: bool | None):
     """Everything convert_kimi_to_exact does but change the model: the report; each routed
     projection's layer-to-be (the model's own when it is a PackedInt4Linear of these act_bits);
     the new modules to swap in; and each routed projection's tensors, checked and read."""
     report = ConversionReport()
     targets: dict[str, PackedInt4Linear] = {}  # routed projection -> the layer that will hold it
     replacements: dict[str, nn.Module] = {}
+    parents: dict[str, nn.Module] = {}  # a new ExactExperts' experts, by their names-to-be
     fused = [(name, m) for name, m in model.named_modules() if is_fused_experts(m)]
     for name, module in fused:  # transformers' experts: one exact module, 3 layers an expert
-        device = "meta" if checkpoint is not None else module.gate_up_proj.device  # (assigned)
-        replacements[name] = experts = ExactExperts.like(module, act_bits, device)
-        for e, expert in enumerate(experts):
+        at = "meta" if checkpoint is not None else module.gate_up_proj.device  # (assigned)
+        replacements[name] = new = ExactExperts.like(module, act_bits, at)
+        for e, expert in enumerate(new):
+            parents[f"{name}.{e}"] = expert
             for proj in ("gate", "up", "down"):
                 targets[f"{name}.{e}.{proj}_proj"] = getattr(expert, f"{proj}_proj")
     for name, module in model.named_modules():
@@ -695,18 +863,46 @@ def _stage(model: nn.Module, checkpoint: KimiCheckpoint | None, act_bits: int,
                 replacements[name] = ExactLinear.from_weight(module.weight.detach(), dense_bits,
                                                              act_bits=act_bits)
                 report.dense_converted += 1
+    if local is not None:
+        report.remote_experts = make_remote(targets, local, parents, replacements)
     report.routed_converted = len(targets)
     loaded = {}
     if checkpoint is not None:
         listed = sum(len(names) for names in checkpoint.routed_experts().values())
-        if listed and not targets:
+        if listed and not targets and not report.remote_experts:
             raise KimiConversionError(
                 f"no module of the model is named like a routed expert "
                 f"([language_model.]model.layers.L.mlp.experts.E.gate_proj, ...), but the "
                 f"checkpoint has {listed} of them: nothing would be converted (under a wrapper, "
                 f"convert the module whose names start there)")
-        for name, layer in targets.items():  # all checks before the first packed byte is read
-            checkpoint.check_packed(layer, name)
-        loaded = {name: checkpoint.read_packed(layer, name) for name, layer in targets.items()}
+        loaded = load_routed(checkpoint, targets, device, mmap, progress)
         report.routed_loaded = len(loaded)
     return report, targets, replacements, loaded
+
+
+def load_routed(checkpoint: KimiCheckpoint, targets: dict[str, PackedInt4Linear], device,
+                mmap: bool, progress: bool | None) -> dict[str, dict[str, torch.Tensor]]:
+    """{projection: its three tensors} for `targets` {the checkpoint's module name: the layer
+    to hold them}: every header checked first, then streamed (KimiCheckpoint.stream), each
+    tensor's values checked as it is read. `device` None: the first layer's (meta: the CPU)."""
+    for name, layer in targets.items():  # all header checks before the first byte is read
+        checkpoint.check_packed(layer, name)
+    if device is None:
+        first = next(iter(targets.values()), None)
+        device = first.weight_packed.device if first is not None else "cpu"
+        device = "cpu" if torch.device(device).type == "meta" else device
+    if mmap and torch.device(device).type != "cpu":
+        raise KimiConversionError(f"mmap=True maps the shards into host memory: it loads onto "
+                                  f"the CPU, not {device}")
+    wanted = {(name, key): checkpoint.name_for(name, key) for name in targets
+              for key in PACKED_KEYS}
+
+    def check(key, tensor):
+        name, buffer = key
+        checkpoint.check_values(targets[name], name, buffer, tensor)
+
+    loaded: dict[str, dict[str, torch.Tensor]] = {}
+    for (name, key), tensor in checkpoint.stream(wanted, device=device, mapped=mmap, check=check,
+                                                 progress=progress).items():
+        loaded.setdefault(name, {})[key] = tensor
+    return loaded

@@ -35,7 +35,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from .contract import ContractValueError, NonFiniteError, ShapeError
+from .contract import ContractValueError, ExactnessError, NonFiniteError, ShapeError
 from .formats import torch_dtype
 from .kernels import REGISTRY, KernelUnavailableError, Plan, plan_grouped
 from .kernels.native import FallbackWarning
@@ -74,6 +74,28 @@ class Workspace(threading.local):
 
 
 WORKSPACE = Workspace()
+
+
+class MissingExpertError(ExactnessError, LookupError):
+    """A token routed to an expert this process does not hold (a load with `experts=`)."""
+
+
+class RemoteLinear(nn.Module):
+    """A routed projection that another rank holds (a load with `experts=`): no tensors, and a
+    forward raises MissingExpertError naming it. The grouped call runs the per-expert loop when
+    a token routes to one, so that the error is this one."""
+
+    def __init__(self, name: str, in_features: int, out_features: int):
+        super().__init__()
+        self.name, self.in_features, self.out_features = name, in_features, out_features
+
+    def extra_repr(self) -> str:
+        return f"{self.name}, in_features={self.in_features}, out_features={self.out_features}"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise MissingExpertError(f"{self.name}: a token is routed to this expert, which this "
+                                 f"process does not hold (loaded with experts=): send the "
+                                 f"token to the rank that holds it")
 
 
 def activation(act_fn: Callable, gate: torch.Tensor, up: torch.Tensor,
@@ -130,7 +152,8 @@ def experts_forward(experts: Sequence[nn.Module], act_fn: Callable, x: torch.Ten
     """The routed experts' weighted sum [T, H] in `dtype`, by the grouped kernels (see the
     module's doc); `per_expert()` is the reference loop, run where they cannot."""
     layers = [(e.gate_proj, e.up_proj, e.down_proj) for e in experts]
-    if torch.jit.is_tracing() or x.dim() != 2 or not x.shape[0] or not _exact(layers[0]):
+    local = _local(layers)
+    if torch.jit.is_tracing() or x.dim() != 2 or not x.shape[0] or local is None:
         return per_expert()  # the layers raise, or there is no grouped path for them
     chosen = plan(layers, x)
     if chosen is None:
@@ -148,7 +171,7 @@ def experts_forward(experts: Sequence[nn.Module], act_fn: Callable, x: torch.Ten
         gate_and_up, first = _project(chosen.kernel, gate_up, x, routing, True, workspace)
         if gate_and_up is None:
             return per_expert()
-        inter = layers[0][0].out_features
+        inter = local[0].out_features
         h = activation(act_fn, gate_and_up[:, :inter], gate_and_up[:, inter:],
                        None if workspace is None else workspace.get(
                            "h", (gate_and_up.shape[0], inter), gate_and_up.dtype, x.device))
@@ -196,6 +219,11 @@ def _exact(parts) -> bool:
     return all(isinstance(layer, _PackedExactLinear) for layer in parts)
 
 
+def _local(layers):
+    """The first expert's layers that are exact here (not RemoteLinear), or None."""
+    return next((parts for parts in layers if _exact(parts)), None)
+
+
 def plan(layers, x: torch.Tensor) -> Plan | None:
     """The grouped kernel that experts' `layers` [E][parts] take for x, or None where the
     per-expert loop runs: a kernel forced on a layer or by EXACTNESS_KERNEL (honoured layer by
@@ -204,11 +232,12 @@ def plan(layers, x: torch.Tensor) -> Plan | None:
     forced = os.environ.get(ENV) or None
     if forced and not by_name(REGISTRY, forced).grouped:
         return None
-    if any(layer.kernel for layer in layers[0]):
+    local = _local(layers)
+    if local is None or any(layer.kernel for layer in local):
         return None
-    family = layers[0][0]._family(x)
+    family = local[0]._family(x)
     try:
-        return plan_grouped(REGISTRY, family, x.device, layers[0][0].act_bits, forced)
+        return plan_grouped(REGISTRY, family, x.device, local[0].act_bits, forced)
     except KernelUnavailableError as e:
         if forced:
             raise
@@ -229,7 +258,9 @@ def _widths(layer) -> tuple:
 
 def _consistent(layers, experts: Sequence[int]) -> bool:
     """Whether every expert in `experts` is exact and has the first one's widths, every part
-    alike: what one grouped call needs."""
+    alike: what one grouped call needs (an expert held elsewhere is not exact here)."""
+    if not all(_exact(layers[e]) for e in experts):
+        return False
     want = _widths(layers[experts[0]][0])
     return all(_exact(layers[e]) and all(_widths(layer) == want for layer in layers[e])
                for e in experts)
@@ -244,13 +275,13 @@ def _project(kernel, layers, x: torch.Tensor, routing: Routing, gather: bool, wo
     offsets = routing.offsets.tolist() if kernel.reads == "layers" else None
     experts = [e for e in range(routing.experts) if offsets[e + 1] > offsets[e]] \
         if offsets is not None else range(routing.experts)
-    first = layers[experts[0]][0] if experts else layers[0][0]
+    if experts and not _consistent(layers, experts):
+        return None, None
+    first = layers[experts[0]][0] if experts else _local(layers)[0]
     x, out_format = first._checked(x, x.device)
     if not experts:
         return x.new_empty((0, len(layers[0]) * first.out_features), dtype=torch_dtype(
             out_format)), None
-    if not _consistent(layers, experts):
-        return None, None
     if kernel.reads == "buffers":
         buffers = [[layer.checked_buffers() for layer in parts] for parts in layers]
         if any(packed.device != x.device for parts in buffers for packed, _, _ in parts):
@@ -282,8 +313,8 @@ def _project(kernel, layers, x: torch.Tensor, routing: Routing, gather: bool, wo
 def _project_per_expert(layers, x: torch.Tensor, routing: Routing, gather: bool) -> torch.Tensor:
     """`projection`'s y by each routed expert's layers, one by one, over its own rows."""
     offsets = routing.offsets.tolist()
-    first = layers[0][0]
-    n, dtype = first.out_features, first.out_dtype or x.dtype
+    first = (_local(layers) or layers[0])[0]
+    n, dtype = first.out_features, getattr(first, "out_dtype", None) or x.dtype
     y = torch.zeros((routing.tokens * routing.top_k, len(layers[0]) * n), dtype=dtype,
                     device=x.device)
     for e in range(routing.experts):

@@ -15,7 +15,9 @@ from hypothesis import strategies as st
 
 from exactness.contract import BFLOAT16, FLOAT16, FLOAT32, FORMATS
 from exactness.formats import (
+    CHECK_STEP,
     bits_to_tensor,
+    check_finite_tensor,
     decode,
     decode_array,
     pack_weights,
@@ -224,3 +226,22 @@ def test_int16_views_of_the_patterns_decode_as_int64_ones(on_torch):
     for got, want in zip(split_scales(view.reshape(1, -1)), split_scales(patterns.reshape(1, -1)),
                          strict=True):
         assert np.asarray(got).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("at", [0, CHECK_STEP - 1, CHECK_STEP, 2 * CHECK_STEP + 4])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan")])
+def test_a_finite_check_in_steps_finds_a_bad_value_at_every_step_edge(at, value):
+    """check_finite_tensor runs the CPU in steps of CHECK_STEP elements: a non-finite value at
+    either edge of a step, or in the last part step, is found and named, in a non-contiguous
+    view too; an all-finite tensor of the same size passes."""
+    from exactness.contract import NonFiniteError
+
+    t = torch.full((2, CHECK_STEP + 3), 1.5, dtype=torch.bfloat16)
+    check_finite_tensor(t, "t")
+    t.view(-1)[at] = value
+    index = (at // t.shape[1], at % t.shape[1])
+    with pytest.raises(NonFiniteError, match=rf"t has 1 non-finite value\(s\); the first at "
+                                             rf"index \({index[0]}, {index[1]}\)"):
+        check_finite_tensor(t, "t")
+    with pytest.raises(NonFiniteError, match=rf"index \({index[1]}, {index[0]}\)"):
+        check_finite_tensor(t.t(), "t")

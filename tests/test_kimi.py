@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from exactness import PackedInt4Linear
+from exactness import PackedInt4Linear, kimi
 from exactness.contract import ExactnessError
 from exactness.formats import bits_to_tensor, float_bits, tensor_to_bits
 from exactness.kimi import (
@@ -146,7 +146,7 @@ NAME = "model.layers.1.mlp.experts.2.up_proj"
     (lambda c: rewrite_tensor(c, f"{NAME}.weight_scale", torch.full((32, 2), float("nan"),
                                                                      dtype=torch.bfloat16)),
      KimiCheckpointError, r"up_proj: weight_scale has 64 non-finite"),
-])
+], ids=["scale-missing", "packed-int64", "packed-too-short", "scale-nan"])
 def test_bad_tensors_name_the_tensor_and_the_file(tmp_path, change, error, match):
     ckpt = corrupt(tmp_path, change)
     model = KimiModel(KimiConfig(**SMALL))
@@ -303,17 +303,20 @@ def test_a_read_failing_after_the_checks_leaves_the_model_untouched(tmp_path, mo
         fail_after_the_checks(monkeypatch, truncate_the_second_shard)
         match = r"model-00002-of-00002.safetensors: .*truncated"
     else:
-        reads = []
+        reads, real_open = [], kimi.safe_open
 
-        def failing_read(self, path, offset, length):
-            reads.append(path)
-            if len(reads) == 3:  # two projections staged, then the disk fails
-                raise OSError(5, "Input/output error")
-            return read_bytes(self, path, offset, length)
+        class FailingDisk:  # safetensors' handle, on a disk that fails at the third read
+            def __init__(self, path, framework):
+                self.handle = real_open(path, framework)
 
-        read_bytes = KimiCheckpoint.read_bytes
+            def get_tensor(self, name):
+                reads.append(name)
+                if len(reads) == 3:  # two tensors read, then the disk fails
+                    raise OSError(5, "Input/output error")
+                return self.handle.get_tensor(name)
+
         fail_after_the_checks(monkeypatch, lambda c: monkeypatch.setattr(
-            KimiCheckpoint, "read_bytes", failing_read))
+            kimi, "safe_open", FailingDisk))
         match = r"model-0000\d-of-00002.safetensors: .*Input/output error"
     with pytest.raises(KimiCheckpointError, match=match):
         convert_kimi_to_exact(model, ckpt)
@@ -541,23 +544,26 @@ def test_loading_keeps_the_tensors_it_read(tmp_path, monkeypatch, act_bits):
     from the shards (the model's own layers at their act_bits, new ones at another), and the
     checkpoint is closed after."""
     ckpt = write_checkpoint(tmp_path / "ckpt")
-    read, closed = {}, []
-    real_read, real_close = KimiCheckpoint.read_packed, KimiCheckpoint.close
-    monkeypatch.setattr(KimiCheckpoint, "read_packed", lambda self, layer, name: read.setdefault(
-        name, real_read(self, layer, name)))
+    streamed, closed = {}, []
+    real_stream, real_close = KimiCheckpoint.stream, KimiCheckpoint.close
+    monkeypatch.setattr(KimiCheckpoint, "stream", lambda self, wanted, **kw: streamed.setdefault(
+        len(streamed), real_stream(self, wanted, **kw)))
     monkeypatch.setattr(KimiCheckpoint, "close", lambda self: (closed.append(1),
                                                                real_close(self))[1])
     model = KimiModel(KimiConfig(**SMALL))
     own = experts(model)
     report = convert_kimi_to_exact(model, ckpt, act_bits=act_bits)
     now = experts(model)
-    assert len(read) == report.routed_loaded == report.routed_converted == len(now) > 0
+    (read,) = streamed.values()  # one stream of every routed tensor
+    assert len(read) == 3 * report.routed_loaded == 3 * report.routed_converted == 3 * len(now)
     assert all((now[name] is own[name]) == (act_bits == 16) for name in now)
-    for name, layer in now.items():
-        for key, tensor in read[name].items():
-            assert getattr(layer, key).data_ptr() == tensor.data_ptr(), (name, key)
+    for (name, key), tensor in read.items():
+        assert getattr(now[name], key).data_ptr() == tensor.data_ptr(), (name, key)
     assert closed == [1]
-    read.clear()
+    read = {}
+    real_read = KimiCheckpoint.read_packed
+    monkeypatch.setattr(KimiCheckpoint, "read_packed", lambda self, layer, name: read.setdefault(
+        name, real_read(self, layer, name)))
     layer, checkpoint = PackedInt4Linear(64, 32), KimiCheckpoint(ckpt)
     checkpoint.load_packed(layer, NAME)
     checkpoint.close()
@@ -750,8 +756,8 @@ def test_the_report_counts_bytes_and_memory_as_it_says(monkeypatch):
     report = convert_kimi_to_exact(KimiModel(KimiConfig(**SMALL)))
     assert report.bytes_read == 0 and report.peak_rss_growth == 2000 * 1024
     assert report.summary() == {"routed_converted": 12, "routed_loaded": 0,
-                                "dense_converted": 0, "left_bf16": 6, "bytes_read": 0,
-                                "peak_rss_growth": 2000 * 1024}
+                                "dense_converted": 0, "left_bf16": 6, "remote_experts": 0,
+                                "bytes_read": 0, "peak_rss_growth": 2000 * 1024}
 
 
 def test_k25s_wrapper_is_its_language_model():

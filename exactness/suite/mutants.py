@@ -791,16 +791,51 @@ CATALOGUE = (
                          "setting[None-8]",
                          "tests/test_kimi.py::test_every_conversion_option_computes_at_its_"
                          "setting[4-4]")),
-    Mutant("converter-checks-only-the-first-projection", "exactness.kimi:_stage",
-           "for name, layer in targets.items():  # all checks before the first packed byte",
-           "for name, layer in list(targets.items())[:1]:  # all checks before the first "
-           "packed byte",
-           "the loader checks the first projection's tensors alone: a bad one further on "
-           "fails half-way through loading, the model half converted",
-           ("tests/test_kimi.py::test_a_bad_tensor_in_any_expert_leaves_the_model_as_it_was"
-            "[last]",
-            "tests/test_kimi.py::test_a_bad_tensor_in_any_expert_leaves_the_model_as_it_was"
-            "[middle]")),
+    Mutant("converter-checks-only-the-first-projection", "exactness.kimi:load_routed",
+           "for name, layer in targets.items():  # all header checks before the first byte",
+           "for name, layer in list(targets.items())[:1]:  # all header checks before the "
+           "first byte",
+           "the loader checks the first projection's header entries alone: a tensor of "
+           "another shape further on is installed as it is, and read out of bounds",
+           ("tests/test_kimi.py::test_bad_tensors_name_the_tensor_and_the_file"
+            "[packed-too-short]",
+            "tests/test_kimi.py::test_bad_tensors_name_the_tensor_and_the_file[packed-int64]")),
+    # --- the streamed loader (issue 42)
+    Mutant("loader-values-unchecked", "exactness.kimi:load_routed",
+           "checkpoint.check_values(targets[name], name, buffer, tensor)", "pass",
+           "the streamed tensors' values never checked: a non-finite scale loads silently",
+           ("tests/test_load.py::test_a_failure_midway_through_the_stream_leaves_the_model_"
+            "unchanged",
+            "tests/test_kimi.py::test_bad_tensors_name_the_tensor_and_the_file[scale-nan]")),
+    Mutant("loader-keeps-every-shard-mapped", "exactness.kimi:KimiCheckpoint.stream",
+           "if last and not mapped:", "if last and False:",
+           "each shard's mapping kept to the end of the load: the process holds the whole "
+           "checkpoint's pages on top of the copies",
+           ("tests/test_load.py::test_each_scale_is_checked_once_and_each_shard_released_after_"
+            "its_last_tensor",)),
+    Mutant("loader-size-not-looked-at-again", "exactness.kimi:KimiCheckpoint.map_tensor",
+           "if size != shard.size:", "if False:",
+           "a shard cut short after its header was read is read through its mapping: a SIGBUS "
+           "where the pages are gone",
+           ("tests/test_load.py::test_a_shard_cut_short_under_the_reader_is_an_error_not_a_"
+            "crash",)),
+    Mutant("mmap-copies-the-tensors", "exactness.kimi:KimiCheckpoint.read",
+           "if mapped and view.data_ptr() % view.element_size() == 0:", "if False:",
+           "mmap=True copies every tensor: anonymous memory the size of the experts",
+           ("tests/test_load.py::test_mmap_leaves_the_int4_tensors_file_backed_and_copy_on_"
+            "write",)),
+    Mutant("finite-check-first-step-only", "exactness.formats:check_finite_tensor",
+           "flat.split(CHECK_STEP) if", "flat.split(CHECK_STEP)[:1] if",
+           "a CPU check in steps that stops after the first: a non-finite scale past it loads",
+           ("tests/test_formats.py::test_a_finite_check_in_steps_finds_a_bad_value_at_every_"
+            "step_edge[inf-131076]",)),
+    Mutant("remote-expert-computes-zeros", "exactness.moe:RemoteLinear.forward",
+           "raise MissingExpertError(", "return x.new_zeros(x.shape[0], self.out_features)\n"
+           "    MissingExpertError(",
+           "a token routed to an expert held elsewhere gets zeros, silently",
+           ("tests/test_load.py::test_a_rank_loads_its_experts_and_refuses_tokens_for_the_"
+            "others[copied-per-expert]",
+            "tests/test_load.py::test_a_predicate_takes_any_subset_and_the_fused_layout_too[k2]")),
     Mutant("span-chain-bound-of-the-first-chain", "exactness.kernels.native:span_scales",
            "chains[0] + chains[1], torch.maximum(*chains)", "chains[0] + chains[1], chains[0]",
            "an unshifted block certified on one of its two chains: the other wraps",
