@@ -239,7 +239,8 @@ def both_paths(layer, x, timer=None) -> tuple[str, str, bool]:
     timer = timer or cuda_ms
     cert = layer.certificate
     limbs, e_r, _ = triton_exact.quantize(x, 16)
-    args = (limbs, e_r, layer.weight_packed, *layer.gpu_weights(x.device), 4)
+    gpu = triton_exact.gpu_weights(layer.weights(), x.device)
+    args = (limbs, e_r, layer.weight_packed, *gpu, 4)
     split = timer(lambda: triton_exact.linear(*args, torch.bfloat16))
     whole = timer(lambda: triton_exact.linear(*args, torch.bfloat16, slices=1))
     want = triton_exact.linear(*args, torch.bfloat16, slices=1).view(torch.int16)
@@ -265,7 +266,8 @@ def tiles(shapes=((7168, 2048), (2048, 7168)), batches=(1, 16, 128, 4096), devic
     for k, n in shapes:
         layer, w = kimi_on(k, n, device)
         layer(torch.zeros(1, k, device=device).bfloat16())  # derives the certificate
-        args = (layer.weight_packed, *layer.gpu_weights(torch.device(device)), 4,
+        gpu = triton_exact.gpu_weights(layer.weights(), torch.device(device))
+        args = (layer.weight_packed, *gpu, 4,
                 torch.bfloat16)
         for m in batches:
             x = torch.randn(m, k, device=device).bfloat16()

@@ -12,11 +12,12 @@ from .contract import (
     ShapeError,
 )
 from .kernels import REGISTRY, KernelUnavailableError
-from .modules import ExactLinear, PackedInt4Linear
+from .modules import ExactLayer, ExactLinear, PackedInt4Linear
 
 __all__ = [
     "ExactLinear",
     "PackedInt4Linear",
+    "ExactLayer",
     "ContractTypeError",
     "ContractValueError",
     "ExactnessError",

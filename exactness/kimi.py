@@ -472,7 +472,7 @@ class KimiCheckpoint:
         """From the headers alone, everything about one projection's three tensors that a load
         would refuse: presence, dtypes and shapes. Their values (finite scales, weight_shape)
         are checked as they are read (`check_values`)."""
-        for key, (shape, dtypes) in layer._expected().items():
+        for key, (shape, dtypes) in layer.expected_buffers().items():
             shard, entry = self.entry(self.name_for(module_name, key))
             where = f"{shard.path}: {module_name}: {key}"
             if TORCH_DTYPES.get(entry.dtype) not in dtypes:

@@ -39,10 +39,10 @@ from .formats import (
     pack_weights,
     zero_word,
 )
-from .kernels import REGISTRY, Kernel, Plan, Weights, plan, triton_exact
+from .kernels import REGISTRY, Kernel, Plan, Weights, plan, registry
 from .kernels.certificate import Certificate, certify  # noqa: F401 (the layer's API)
 from .kernels.registry import ENV, by_name
-from .kernels.wide import WIDE, linear_rows
+from .kernels.wide import WIDE, splice_slow_rows
 
 BACKENDS = ("auto", "cpu", "triton")
 
@@ -66,8 +66,15 @@ def check_buffer(name: str, t, shape: tuple, dtypes: tuple) -> None:
 EMPTY = torch.empty(0, dtype=torch.int64)  # no rows
 
 
-class _PackedExactLinear(nn.Module):
-    """y = RNE(2**e_r * sum_g s[n,g] * sum_k qa[r,k] * q[n,k]) (docs/SPEC.md), bit for bit."""
+class ExactLayer(nn.Module):
+    """y = RNE(2**e_r * sum_g s[n,g] * sum_k qa[r,k] * q[n,k]) (docs/SPEC.md), bit for bit: the
+    base of PackedInt4Linear and ExactLinear.
+
+    Its kernel inputs, public for callers of many layers at once (exactness.moe, exactness.kimi,
+    a serving stack): `expected_buffers()` (each buffer's shape and dtypes), `checked_buffers()`,
+    `weights()` (the live buffers as a kernel reads them), `certificate`, `checked_input(x,
+    device)` (x as [M, K] and the output's format), `family(x)` (the kernels that take x) and
+    `plan(x)`; `no_backward` wraps an output computed from them."""
 
     def __init__(self, in_features: int, out_features: int, act_bits: int = DEFAULT_ACT_BITS,
                  *, bits: int = 4, out_dtype: torch.dtype | None = None,
@@ -111,7 +118,8 @@ class _PackedExactLinear(nn.Module):
 
     # ----------------------------------------------------------------- loading
 
-    def _expected(self) -> dict:
+    def expected_buffers(self) -> dict:
+        """{buffer name: (its shape, the dtypes it may have)}."""
         n, k = self.out_features, self.in_features
         return {"weight_packed": ((n, k * self.bits // 32), (torch.int32,)),
                 "weight_scale": ((n, k // GROUP_SIZE), (torch.bfloat16,)),
@@ -119,7 +127,7 @@ class _PackedExactLinear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys,
                               unexpected_keys, error_msgs):
-        for name, (shape, dtypes) in self._expected().items():
+        for name, (shape, dtypes) in self.expected_buffers().items():
             key = prefix + name
             if key in state_dict:  # (a missing key the base class reports)
                 check_buffer(key, state_dict[key], shape, dtypes)
@@ -142,7 +150,7 @@ class _PackedExactLinear(nn.Module):
         """(weight_packed, weight_scale, weight_shape) as they are now, or a typed error if a
         kernel could not read them (reassigned with another shape, dtype, device or strides).
         weight_shape's values are not read here (on a GPU that would wait for the device)."""
-        for name, (shape, dtypes) in self._expected().items():
+        for name, (shape, dtypes) in self.expected_buffers().items():
             check_buffer(name, getattr(self, name), shape, dtypes)  # a Parameter now, maybe
         packed, scale, shape = self.weight_packed, self.weight_scale, self.weight_shape
         if not packed.device == scale.device == shape.device:
@@ -215,10 +223,6 @@ class _PackedExactLinear(nn.Module):
         kernel = by_name(REGISTRY, kernel) if isinstance(kernel, str) else kernel
         return kernel.prepare(self.weights())
 
-    def gpu_weights(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """The Triton group kernel's (factor, offset_sums, emin) on `device`, for one forward."""
-        return triton_exact.gpu_weights(self.weights(), device)
-
     def derived_nbytes(self) -> int:
         """Bytes held between forwards besides the buffers: none (the kernels read the buffers
         in place; what a forward derives, `prepared(kernel).nbytes`, goes with it)."""
@@ -226,7 +230,8 @@ class _PackedExactLinear(nn.Module):
 
     # ----------------------------------------------------------------- forward
 
-    def _family(self, x: torch.Tensor) -> str:
+    def family(self, x: torch.Tensor) -> str:
+        """"triton" or "cpu": the family of kernels a forward of x takes."""
         if self.backend == "triton" or (self.backend == "auto" and x.is_cuda):
             return "triton"
         if x.is_cuda:
@@ -237,8 +242,8 @@ class _PackedExactLinear(nn.Module):
         """The kernel a forward of x takes, and why (print it to read the reasons), with the slow
         rows the scales have now; an x the forward refuses gets its typed error here too."""
         weights = self.weights()
-        x2, _ = self._checked(x, weights.packed.device)
-        chosen = self._plan(self._family(x2), x2.device, x2.shape[0], weights)
+        x2, _ = self.checked_input(x, weights.packed.device)
+        chosen = self._plan(self.family(x2), x2.device, x2.shape[0], weights)
         slow = int(weights.certificate.slow_rows.numel()) if chosen.kernel is not WIDE else 0
         return dataclasses.replace(chosen, slow_rows=slow)
 
@@ -260,16 +265,16 @@ class _PackedExactLinear(nn.Module):
                 "the exact layers cannot be traced by torch.jit.trace: their kernels write the "
                 "output where the tracer does not see it, so a trace would replay uninitialised "
                 "memory; call the layer eagerly")
-        if isinstance(x, torch.Tensor) and triton_exact.capturing(x):
+        if isinstance(x, torch.Tensor) and registry.capturing(x):
             raise ContractValueError(
                 "the exact layers cannot be captured into a CUDA graph yet: a forward reads "
                 "back whether any weight row is slow; run them eagerly")
         weights = self.weights()  # before x: a bad buffer is named even for an empty x
-        x2, out_format = self._checked(x, weights.packed.device)
+        x2, out_format = self.checked_input(x, weights.packed.device)
         if x2.shape[0] == 0:
             return torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype
                                if self.out_dtype is None else self.out_dtype, device=x.device)
-        family = self._family(x2)
+        family = self.family(x2)
         chosen = self._plan(family, x2.device, x2.shape[0], weights)
         prepared = chosen.kernel.prepare(weights)
         bad_rows = None
@@ -294,8 +299,7 @@ class _PackedExactLinear(nn.Module):
             if self.strict and nan_rows.numel():  # v1's rule: a non-finite scale raises
                 check_finite_tensor(weights.scale, "weight_scale")
         if slow.numel() and chosen.kernel is not WIDE:  # spreads no fast kernel holds
-            y[:, slow.to(x.device)] = linear_rows(x2, weights, slow, out_format,
-                                                  WIDE.prepare(weights))
+            splice_slow_rows(y, x2, weights, slow, out_format)
         if bad_rows is not None:
             y = y.masked_fill_(bad_rows[:, None], float("nan"))
         if nan_rows.dtype == torch.bool:  # a mask on the device: nothing read back
@@ -303,7 +307,7 @@ class _PackedExactLinear(nn.Module):
         elif nan_rows.numel():
             y = y.index_fill_(1, nan_rows.to(y.device), float("nan"))
         if x.requires_grad and torch.is_grad_enabled():
-            y = _NoBackward.apply(x, y)
+            y = no_backward(x, y)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
     def _finite_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -315,7 +319,8 @@ class _PackedExactLinear(nn.Module):
             check_finite(float_bits(x), float_format(x.dtype), "x")  # raises: count, index
         return x.masked_fill(bad[:, None], 0), bad
 
-    def _checked(self, x: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, FloatFormat]:
+    def checked_input(self, x: torch.Tensor,
+                      device: torch.device) -> tuple[torch.Tensor, FloatFormat]:
         """x as [M, K] and the output's format, or a typed error (the buffers are on `device`)."""
         if not isinstance(x, torch.Tensor):
             raise ContractTypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
@@ -328,6 +333,11 @@ class _PackedExactLinear(nn.Module):
         if x.dim() == 0 or x.shape[-1] != k:
             raise ShapeError(f"x.shape[-1] must be in_features={k}, got shape {tuple(x.shape)}")
         return (x if x.dim() == 2 else x.reshape(-1, k)), out_format  # (a reshape: ~30 us cold)
+
+
+def no_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y, handed on as a function of x: a backward through it raises (_NoBackward)."""
+    return _NoBackward.apply(x, y)
 
 
 class _NoBackward(torch.autograd.Function):
@@ -345,7 +355,7 @@ class _NoBackward(torch.autograd.Function):
             "PackedInt4Linear/ExactLinear (run them under torch.no_grad(), or detach x)")
 
 
-class PackedInt4Linear(_PackedExactLinear):
+class PackedInt4Linear(ExactLayer):
     """Kimi K2's routed-expert projection: int4 pack-quantized weights, group 32, bf16 scales."""
 
     def __init__(self, in_features: int, out_features: int, act_bits: int = DEFAULT_ACT_BITS, *,
@@ -355,7 +365,7 @@ class PackedInt4Linear(_PackedExactLinear):
                          backend=backend, kernel=kernel, strict=strict, device=device)
 
 
-class ExactLinear(_PackedExactLinear):
+class ExactLinear(ExactLayer):
     """The exact path for ordinary weights, 4 or 8 bits (ExactLinear.from_weight)."""
 
     @classmethod

@@ -25,11 +25,9 @@ of range or repeated for a token.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 import threading
-import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -38,11 +36,10 @@ from torch import nn
 from .contract import ContractValueError, ExactnessError, NonFiniteError, ShapeError
 from .formats import torch_dtype
 from .kernels import REGISTRY, KernelUnavailableError, Plan, plan_grouped
-from .kernels.native import FallbackWarning
-from .kernels.registry import ENV, by_name
+from .kernels.registry import ENV, by_name, warn_fallback
 from .kernels.routing import Routing, route
-from .kernels.wide import WIDE, linear_rows
-from .modules import _NoBackward, _PackedExactLinear
+from .kernels.wide import splice_slow_rows
+from .modules import ExactLayer, no_backward
 
 # torch runs an elementwise function on vectors of up to 64 16-bit lanes (two AVX-512 registers
 # a step), and the elements past the last whole step on a scalar path. In one block of at most
@@ -187,7 +184,7 @@ def experts_forward(experts: Sequence[nn.Module], act_fn: Callable, x: torch.Ten
     if first is not None and read_back(torch.stack([first, second, routing.bad])):
         return per_expert()  # which raises for a refused id (check_routing)
     if x.requires_grad and torch.is_grad_enabled():
-        out = _NoBackward.apply(x, out)
+        out = no_backward(x, out)
     return out
 
 
@@ -216,7 +213,7 @@ def read_back(counts: torch.Tensor) -> bool:
 
 
 def _exact(parts) -> bool:
-    return all(isinstance(layer, _PackedExactLinear) for layer in parts)
+    return all(isinstance(layer, ExactLayer) for layer in parts)
 
 
 def _local(layers):
@@ -235,20 +232,15 @@ def plan(layers, x: torch.Tensor) -> Plan | None:
     local = _local(layers)
     if local is None or any(layer.kernel for layer in local):
         return None
-    family = local[0]._family(x)
+    family = local[0].family(x)
     try:
         return plan_grouped(REGISTRY, family, x.device, local[0].act_bits, forced)
     except KernelUnavailableError as e:
         if forced:
             raise
-        _warn_fallback(str(e))
+        warn_fallback("the grouped MoE kernel", str(e),
+                      "each expert's layers run one by one instead", stacklevel=4)
         return None
-
-
-@functools.cache
-def _warn_fallback(why: str) -> None:
-    warnings.warn(f"the grouped MoE kernel is not used: {why}; each expert's layers run one by "
-                  f"one instead", FallbackWarning, stacklevel=4)
 
 
 def _widths(layer) -> tuple:
@@ -278,7 +270,7 @@ def _project(kernel, layers, x: torch.Tensor, routing: Routing, gather: bool, wo
     if experts and not _consistent(layers, experts):
         return None, None
     first = layers[experts[0]][0] if experts else _local(layers)[0]
-    x, out_format = first._checked(x, x.device)
+    x, out_format = first.checked_input(x, x.device)
     if not experts:
         return x.new_empty((0, len(layers[0]) * first.out_features), dtype=torch_dtype(
             out_format)), None
@@ -305,8 +297,7 @@ def _project(kernel, layers, x: torch.Tensor, routing: Routing, gather: bool, wo
             if slow.numel():
                 rows = slice(offsets[e], offsets[e + 1])
                 source = x[routing.token[rows]] if gather else x[rows]
-                y[rows, p * first.out_features + slow] = linear_rows(
-                    source, w, slow, out_format, WIDE.prepare(w))
+                splice_slow_rows(y, source, w, slow, out_format, rows, p * first.out_features)
     return y, None
 
 

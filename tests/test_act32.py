@@ -11,11 +11,11 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from exactness import ExactLinear, moe
+from exactness import ExactLinear
 from exactness.contract import BFLOAT16, FORMATS
 from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits, torch_dtype
-from exactness.kernels import REGISTRY, KernelUnavailableError, native
-from exactness.kernels.native import FallbackWarning
+from exactness.kernels import REGISTRY, KernelUnavailableError, native, registry
+from exactness.kernels.registry import FallbackWarning
 from exactness.kernels.routing import route
 from exactness.moe import projection
 from exactness.suite.cases import LinearCase
@@ -176,7 +176,7 @@ def test_an_moe_projection_at_32_bits_has_each_experts_bits(grouped_limbs, monke
     x = torch.randn(5, 64).bfloat16()
     ids = torch.tensor([[0, 2], [1, 0], [2, 3], [3, 1], [0, 1]])  # 3: no expert
     routing = route(ids, 3)
-    moe._warn_fallback.cache_clear()  # once a process: another test may have said it already
+    registry.warn_fallback.cache_clear()  # once a process: another test may have said it already
     calls = []
     run_grouped = native.GROUPED.run_grouped
     monkeypatch.setattr(native.GROUPED, "run_grouped",

@@ -15,7 +15,7 @@ import torch
 from exactness import ExactLinear
 from exactness.contract import BFLOAT16, FLOAT32, ContractValueError, act_qmax
 from exactness.formats import pack_weights, round_scaled
-from exactness.kernels import KernelUnavailableError, amx, native
+from exactness.kernels import KernelUnavailableError, amx, native, registry
 from exactness.kernels.registry import no, yes
 from exactness.suite.cases import LinearCase
 from exactness.suite.counterexamples import check_bits
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.stage("equivalence")  # make verify's stage
 @pytest.fixture
 def fresh_status():
     """amx.status() judged again under the test's settings, and again after it."""
-    caches = (amx.status, amx.warn_refused)  # the originals: a test may patch them
+    caches = (amx.status, registry.warn_fallback)  # the originals: a test may patch them
     for cache in caches:
         cache.cache_clear()
     yield
@@ -37,7 +37,7 @@ def fresh_status():
 
 def emulated(monkeypatch) -> None:
     monkeypatch.setenv("EXACTNESS_AMX", "emulate")
-    if native._missing_features():
+    if native.missing_features():
         monkeypatch.setenv("EXACTNESS_NATIVE", "emulate")
 
 
@@ -203,7 +203,7 @@ def test_an_amx_machine_that_refuses_the_kernel_says_why_once(monkeypatch, fresh
     monkeypatch.setattr(amx, "status", lambda: (None, no("its self-check failed on X")))
     monkeypatch.setattr(amx, "mode", lambda: "1")
     monkeypatch.setattr(amx, "missing_features", lambda: [])
-    with pytest.warns(native.FallbackWarning, match="AMX kernel is not used: its self-check"):
+    with pytest.warns(registry.FallbackWarning, match="AMX kernel is not used: its self-check"):
         assert not amx.AMX.available(torch.device("cpu"))
     monkeypatch.setattr(amx, "missing_features", lambda: ["amx_int8"])  # not an AMX machine:
     with warnings.catch_warnings():  # no warning there, the VNNI kernel is simply its kernel

@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from exactness import ExactLinear
-from exactness.kernels import KernelUnavailableError, amx, first_run, native
+from exactness.kernels import KernelUnavailableError, amx, first_run, native, registry
 from tests.crashing_kernels import CRASHES, HANG, planted, stub
 
 pytestmark = pytest.mark.stage("reliability")  # make verify's stage
 
-CACHES = (native.status, native.warn_fallback, amx.status, amx.warn_refused)
+CACHES = (native.status, amx.status, registry.warn_fallback)
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def test_a_c_kernel_that_dies_on_its_first_run_is_refused_and_the_forward_stays_
     assert f"died of {signal}" in why.why and "the C kernel" in why.why, why
     w, x = torch.randn(40, 96), torch.randn(5, 96).bfloat16()
     layer = ExactLinear.from_weight(w)
-    with pytest.warns(native.FallbackWarning, match=f"died of {signal}"):
+    with pytest.warns(registry.FallbackWarning, match=f"died of {signal}"):
         y = layer(x)
     plan = str(layer.plan(x))
     assert f"not vnni-limbs: its first run, in a child process, died of {signal}" in plan, plan
@@ -102,7 +102,7 @@ def test_a_bad_limit_is_a_typed_error(monkeypatch):
 
 def emulated_tiles(monkeypatch) -> None:
     monkeypatch.setenv("EXACTNESS_AMX", "emulate")
-    if native._missing_features():
+    if native.missing_features():
         monkeypatch.setenv("EXACTNESS_NATIVE", "emulate")
 
 
@@ -119,7 +119,7 @@ def test_an_amx_kernel_that_dies_on_its_first_run_is_refused_by_name(fresh, monk
     with pytest.raises(KernelUnavailableError, match="died of SIGSEGV"):
         ExactLinear.from_weight(w, kernel="amx")(x)
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", native.FallbackWarning)
+        warnings.simplefilter("ignore", registry.FallbackWarning)
         y = ExactLinear.from_weight(w)(x)
     assert same_bits(y, ExactLinear.from_weight(w, kernel="wide")(x))
 
@@ -137,7 +137,7 @@ def test_real_tiles_run_without_the_tile_state_die_in_the_child_not_here(monkeyp
     outcome = first_run.run(lib.exactness_file, lib.exactness_digest,
                             "tests.crashing_kernels:tiles_without_the_tile_state",
                             "the AMX kernel (real tiles)", native.machine())
-    if outcome.died or amx.missing_features() or native._missing_features():
+    if outcome.died or amx.missing_features() or native.missing_features():
         assert outcome.died and "died of SIGILL (an illegal instruction)" in outcome.verdict.why
         assert "the AMX kernel (real tiles)" in outcome.verdict.why
     else:

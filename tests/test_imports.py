@@ -101,3 +101,39 @@ def test_the_checks_can_fail():
     assert any(not is_suite(a) and is_suite(b) for a, t in planted.items() for b in t)
     planted["exactness.formats"] = planted["exactness.formats"] | {"exactness.modules"}
     assert cycles(package_edges(planted))
+
+
+# torch's own members the layers use: an int8 GEMM, a tensor's version counter, nn.Module's hooks
+TORCH_PRIVATE = {"_int_mm", "_version", "_load_from_state_dict", "_apply"}
+
+
+def reaches(source: str) -> list[str]:
+    """Where `source` reaches into another object's `_` names: an attribute of anything but
+    self and cls (torch's TORCH_PRIVATE aside), or a `_` name imported from a project module."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                and not node.attr.startswith("__") and node.attr not in TORCH_PRIVATE \
+                and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            found.append(f"line {node.lineno}: {ast.unparse(node)}")
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith(
+                "exactness")):
+            found += [f"line {node.lineno}: import {a.name}" for a in node.names
+                      if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_the_product_touches_no_private_name_of_another_module():
+    """moe, kimi and hf use the layer's public kernel inputs (expected_buffers, checked_input,
+    family, weights, no_backward), and the kernels each other's public names: a move or a
+    rename inside one file cannot break another silently."""
+    found = {str(f.relative_to(ROOT)): reaches(f.read_text())
+             for f in ROOT.glob("exactness/**/*.py") if not is_suite(module_name(f))}
+    assert not {f: r for f, r in found.items() if r}
+
+
+def test_a_private_reach_is_seen():
+    assert reaches("layer._expected()") == ["line 1: layer._expected"]
+    assert reaches("from .modules import _NoBackward") == ["line 1: import _NoBackward"]
+    assert reaches("native._missing_features()") and not reaches("self._plans.clear()")
+    assert not reaches("torch._int_mm(a, b)")

@@ -15,7 +15,7 @@ from exactness import ExactLinear, PackedInt4Linear
 from exactness.contract import BFLOAT16, FLOAT32, FORMATS, ContractValueError, ShapeError
 from exactness.dataflow import act_limbs, activation_limbs
 from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits, torch_dtype
-from exactness.kernels import REGISTRY, KernelUnavailableError, native, triton_exact
+from exactness.kernels import REGISTRY, KernelUnavailableError, native, registry, triton_exact
 from exactness.kernels.registry import no
 from exactness.suite.cases import LinearCase, load_vectors
 from exactness.suite.counterexamples import check_bits
@@ -245,7 +245,7 @@ def test_every_cpu_path_the_plan_takes_on_another_machine(machine, monkeypatch):
 
     status, int_mm, want = MACHINES[machine]
     monkeypatch.setattr(native, "status", lambda: (None, status))
-    monkeypatch.setattr(native, "warn_fallback", lambda why: None)
+    monkeypatch.setattr(native, "warn_fallback", lambda *why: None)
     if int_mm is not None:
         monkeypatch.setattr(torch, "_int_mm", int_mm)
     cpu.int_mm_exact.cache_clear()
@@ -270,7 +270,7 @@ def test_the_int64_matmul_takes_what_float64_cannot_hold(monkeypatch):
     from exactness.kernels import cpu
 
     monkeypatch.setattr(native, "status", lambda: (None, no("the CPU lacks avx512_vnni")))
-    monkeypatch.setattr(native, "warn_fallback", lambda why: None)
+    monkeypatch.setattr(native, "warn_fallback", lambda *why: None)
     monkeypatch.setattr(torch, "_int_mm", int_mm_through_fp32)
     cpu.int_mm_exact.cache_clear()
     try:
@@ -296,15 +296,15 @@ def test_a_fallback_from_the_c_kernel_warns_once_saying_why(monkeypatch):
     layer = ExactLinear.from_weight(torch.randn(8, 64))
     x = torch.randn(2, 64)
     monkeypatch.setattr(native, "status", lambda: (None, no("the CPU lacks avx512_vnni")))
-    native.warn_fallback.cache_clear()
-    with pytest.warns(native.FallbackWarning, match="not used: the CPU lacks avx512_vnni"):
+    registry.warn_fallback.cache_clear()
+    with pytest.warns(registry.FallbackWarning, match="not used: the CPU lacks avx512_vnni"):
         plan = layer.plan(x)
     assert plan.kernel.name in ("int8-gemm", "int64-matmul")
     assert ("vnni-limbs", "the CPU lacks avx512_vnni") in plan.passed_over
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         layer(x)  # once: no second warning
-    native.warn_fallback.cache_clear()
+    registry.warn_fallback.cache_clear()
 
 
 def test_the_plan_names_its_kernel_and_a_forced_one_is_never_swapped(monkeypatch):
@@ -356,7 +356,8 @@ def test_the_group_kernels_k_split_changes_no_bit(case, slices):
     layer = layer_for(case, "triton")
     x = bits_to_tensor(case.x_bits, case.x_format)
     limbs, e_r, _ = triton_exact.quantize(x, case.act_bits)
-    args = (limbs, e_r, layer.weight_packed, *layer.gpu_weights(x.device), case.w_bits,
+    gpu = triton_exact.gpu_weights(layer.weights(), x.device)
+    args = (limbs, e_r, layer.weight_packed, *gpu, case.w_bits,
             torch_dtype(case.out_format))
     whole = tensor_to_bits(triton_exact.linear(*args, slices=1))
     assert (tensor_to_bits(triton_exact.linear(*args, slices=slices)) == whole).all()
@@ -452,12 +453,12 @@ def test_a_cuda_graph_capture_is_refused_before_any_launch(monkeypatch):
     GPU."""
     layer = ExactLinear.from_weight(torch.randn(4, 64), backend="triton")
     x = torch.randn(3, 64)
-    monkeypatch.setattr(triton_exact, "capturing", lambda x: True)
+    monkeypatch.setattr(registry, "capturing", lambda x: True)
     monkeypatch.setattr(triton_exact, "quantize", mock.Mock(side_effect=AssertionError))
     with pytest.raises(ContractValueError, match="cannot be captured into a CUDA graph"):
         layer(x)
     monkeypatch.undo()
-    assert not triton_exact.capturing(x) and layer(x).shape == (3, 4)
+    assert not registry.capturing(x) and layer(x).shape == (3, 4)
 
 
 @needs_triton
@@ -741,10 +742,12 @@ def test_plan_refuses_the_x_a_forward_refuses_and_counts_rows_as_it_does():
 def test_gpu_weights_are_the_live_scales_certificate():
     layer = PackedInt4Linear(64, 8, backend="triton")
     layer.weight_scale.data.fill_(2.0)
-    factor, _, emin = layer.gpu_weights(torch.device("cpu"))  # the interpreter's device
+    # the interpreter's device
+    factor, _, emin = triton_exact.gpu_weights(layer.weights(), torch.device("cpu"))
     assert torch.equal(factor, layer.certificate.factor) and (emin == layer.certificate.emin).all()
     layer.weight_scale.data[:, 1] = 4.0  # a write: the next call's factors are the new scales'
-    assert torch.equal(layer.gpu_weights(torch.device("cpu"))[0], layer.certificate.factor)
+    again = triton_exact.gpu_weights(layer.weights(), torch.device("cpu"))
+    assert torch.equal(again[0], layer.certificate.factor)
     assert not torch.equal(layer.certificate.factor, factor)
 
 
@@ -910,3 +913,23 @@ def test_the_plan_counts_rows_over_every_leading_dimension():
     assert layer.plan(torch.zeros(1, 63, 64)).kernel is triton_exact.GROUP
     assert layer.plan(torch.zeros(1, 64, 64)).kernel is triton_exact.FOLDED
     assert layer.plan(torch.zeros(4, 16, 64)).kernel is triton_exact.FOLDED
+
+
+def test_every_kernel_has_what_the_protocol_names():
+    """Each kernel of REGISTRY answers every member of registry.Kernel, and each grouped one
+    those of GroupedKernel too (reads: "layers" or "buffers"): the protocol is what a kernel is
+    asked for, all of it."""
+    from exactness.kernels import GroupedKernel, Kernel
+
+    def members(protocol) -> set[str]:
+        names = set(getattr(protocol, "__annotations__", {}))
+        return names | {n for n, v in vars(protocol).items() if callable(v) and n[0] != "_"}
+
+    for kernel in REGISTRY:
+        missing = {n for n in members(Kernel) if not hasattr(kernel, n)}
+        if kernel.grouped:
+            missing |= {n for n in members(GroupedKernel) if not hasattr(kernel, n)}
+            assert kernel.reads in ("layers", "buffers"), kernel.name
+        assert not missing, (kernel.name, missing)
+    assert {"run", "prepare", "available", "eligible", "act_limbs"} <= members(Kernel)
+    assert {"run_grouped", "reads"} <= members(GroupedKernel)

@@ -21,7 +21,7 @@ from exactness.contract import (
     ShapeError,
 )
 from exactness.formats import bits_to_tensor, finite_mask, pack_weights, tensor_to_bits
-from exactness.kernels import REGISTRY, KernelUnavailableError, native
+from exactness.kernels import REGISTRY, KernelUnavailableError, native, registry
 from exactness.kernels.registry import no
 from exactness.kernels.routing import route
 from exactness.kimi import ExactExperts, KimiConfig, KimiMoE, KimiRouter
@@ -521,16 +521,16 @@ def test_no_grouped_kernel_here_warns_once_and_runs_the_loop(monkeypatch):
         torch.ones(2, 2)
     want = experts_of(zero_case(2)).per_expert(x, ids, weights)
     monkeypatch.setattr(native, "status", lambda: (None, no("the CPU lacks avx512_vnni")))
-    native.warn_fallback.cache_clear()
-    moe._warn_fallback.cache_clear()
+    registry.warn_fallback.cache_clear()
+    registry.warn_fallback.cache_clear()
     experts = experts_of(zero_case(2))  # (a layer keeps its plans: new ones, without C)
-    with pytest.warns(native.FallbackWarning, match="grouped MoE kernel is not used.*lacks"):
+    with pytest.warns(registry.FallbackWarning, match="grouped MoE kernel is not used.*lacks"):
         assert torch.equal(experts(x, ids, weights), want)
     with warnings.catch_warnings():
-        warnings.simplefilter("error", native.FallbackWarning)
+        warnings.simplefilter("error", registry.FallbackWarning)
         experts(x, ids, weights)  # once
-    native.warn_fallback.cache_clear()
-    moe._warn_fallback.cache_clear()
+    registry.warn_fallback.cache_clear()
+    registry.warn_fallback.cache_clear()
 
 
 def test_the_workspace_keeps_a_buffer_per_slot_and_grows_it():
@@ -720,12 +720,12 @@ def test_a_projection_without_a_kernel_plans_its_own(monkeypatch, act_bits, way)
     real = moe._project_per_expert
     monkeypatch.setattr(moe, "_project_per_expert", lambda *a: (loops.append(1), real(*a))[1])
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", native.FallbackWarning)
+        warnings.simplefilter("ignore", registry.FallbackWarning)
         y = moe.projection(layers, x, routing, gather=True)
     assert len(loops) == (way != "grouped")
     in_order = x[routing.token[:int(routing.routed)]]  # without gather: x in routing order
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", native.FallbackWarning)
+        warnings.simplefilter("ignore", registry.FallbackWarning)
         ungathered = moe.projection(layers, in_order, routing, gather=False)
     assert (tensor_to_bits(ungathered[:len(in_order)]) == tensor_to_bits(y[:len(in_order)])).all()
     for row, pair in enumerate(routing.pair[:int(routing.routed)].tolist()):
@@ -775,7 +775,7 @@ def test_the_kimi_router_chooses_and_weighs_as_transformers_does(norm, far):
                                rtol=1e-6, atol=0)
 
 
-@pytest.mark.filterwarnings("ignore::exactness.kernels.native.FallbackWarning")  # at 32 bits
+@pytest.mark.filterwarnings("ignore::exactness.kernels.registry.FallbackWarning")  # at 32 bits
 @pytest.mark.parametrize("act_bits", [16, 32])
 def test_the_kimi_moe_block_adds_its_shared_experts_to_the_routed_sum(act_bits):
     """KimiMoE = its routed experts' weighted sum (fp32) + its shared experts, rounded once to

@@ -10,6 +10,7 @@ from exactness.suite.mutants import (
     AMX_KERNEL,
     C_KERNEL,
     CATALOGUE,
+    ROOT,
     Mutant,
     applied,
     judge,
@@ -93,3 +94,31 @@ def test_applied_restores_the_original():
         with applied(mutant):
             assert (formats.unpack_weights, cpu.forward) != before
     assert (formats.unpack_weights, cpu.forward) == before
+
+
+def test_every_target_is_found_from_its_object():
+    """The catalogue names each target from the object (at(), source()): each resolves, and
+    names the object it came from, so a moved function cannot leave a mutant pointing at
+    nothing."""
+    from exactness import formats
+    from exactness.suite.mutants import _resolve, at
+
+    assert at(formats.unpack_weights) == "exactness.formats:unpack_weights"
+    for mutant in CATALOGUE:
+        if mutant.target in (C_KERNEL, AMX_KERNEL):
+            assert (ROOT / mutant.target).is_file(), mutant.name
+            continue
+        owner, name, found = _resolve(mutant.target)
+        assert at(found) == mutant.target, mutant.name
+
+
+def test_every_triaged_survivor_is_answered_by_an_argument():
+    """docs/mutmut_triage.csv's rows each name one of MUTMUT.md's arguments, once a mutant; a
+    row with a verdict no argument gives is reported (make mutmut then fails)."""
+    from exactness.suite.mutmut_score import arguments, triage, unanswered
+
+    rows = triage()
+    assert len(rows) >= 200 and len({row["mutant"] for row in rows}) == len(rows)
+    assert unanswered(rows, arguments()) == []
+    planted = [{"mutant": "m", "change": "c", "verdict": "no such argument"}]
+    assert unanswered(planted, arguments()) == ["m: 'no such argument'"]

@@ -1,4 +1,4 @@
-"""The Triton kernels compile for real GPUs (exactness.kernels.triton_aot), on this CPU machine:
+"""The Triton kernels compile for real GPUs (exactness.suite.triton_aot), on this CPU machine:
 every launch configuration down to cubin, int8 dots on integer tensor-core MMA, no spills. The
 ci profile compiles the bf16 configurations for sm_90; thorough, all of them for sm_80 and sm_90.
 The interpreter, which the rest of the suite uses, accepts kernels a GPU build refuses: shown
@@ -32,7 +32,7 @@ def compiled(*args: str) -> list[dict]:
 
 def test_every_launch_compiles_for_gpus():
     thorough = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
-    args = ["-m", "exactness.kernels.triton_aot", "--json"] + (
+    args = ["-m", "exactness.suite.triton_aot", "--json"] + (
         ["--arch", "80", "90"] if thorough else ["--quick", "--arch", "90"])
     records = compiled(*args)
     assert len(records) == (262 if thorough else 10)

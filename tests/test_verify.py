@@ -75,13 +75,13 @@ def test_a_c_kernel_refused_where_it_should_run_fails_its_checks(monkeypatch):
 
     refused = no("its self-check failed on the accumulation (exact_linear_vnni, 4-bit weights)")
     monkeypatch.setattr(native, "status", lambda: (None, refused))
-    monkeypatch.setattr(native, "warn_fallback", lambda why: None)
-    monkeypatch.setattr(native, "_missing_features", lambda: [])
+    monkeypatch.setattr(native, "warn_fallback", lambda *why: None)
+    monkeypatch.setattr(native, "missing_features", lambda: [])
     monkeypatch.setenv("CC", "sh")  # a compiler on PATH
     monkeypatch.setenv("EXACTNESS_NATIVE", "1")
     with pytest.raises(pytest.fail.Exception, match="self-check failed on the accumulation"):
         paths.require("vnni-limbs")
-    monkeypatch.setattr(native, "_missing_features", lambda: ["avx512_vnni"])
+    monkeypatch.setattr(native, "missing_features", lambda: ["avx512_vnni"])
     with pytest.raises(pytest.skip.Exception, match="self-check failed"):
         paths.require("vnni-limbs")  # no VNNI, and the real kernel asked for: an honest skip
     monkeypatch.setenv("EXACTNESS_NATIVE", "emulate")  # the suite's choice on such a CPU
@@ -97,14 +97,14 @@ def test_the_suite_emulates_the_c_kernel_where_the_cpu_lacks_it(monkeypatch):
     from exactness.kernels import native
     from exactness.suite import paths
 
-    monkeypatch.setattr(native, "_missing_features", lambda: ["avx512_vnni"])
+    monkeypatch.setattr(native, "missing_features", lambda: ["avx512_vnni"])
     monkeypatch.delenv("EXACTNESS_NATIVE", raising=False)
     assert "emulated" in paths.emulate_the_c_kernel_where_missing()
     assert os.environ["EXACTNESS_NATIVE"] == "emulate"
     monkeypatch.setenv("EXACTNESS_NATIVE", "0")
     assert paths.emulate_the_c_kernel_where_missing() == ("the C kernel: off (the AMX kernel "
                                                           "with it)")
-    monkeypatch.setattr(native, "_missing_features", lambda: [])
+    monkeypatch.setattr(native, "missing_features", lambda: [])
     monkeypatch.delenv("EXACTNESS_NATIVE")
     assert "instructions" in paths.emulate_the_c_kernel_where_missing()
     assert "EXACTNESS_NATIVE" not in os.environ  # the real kernel, unasked

@@ -7,7 +7,16 @@ one final rounding (docs/SPEC.md section 5).
 """
 
 from . import amx, cpu, native, triton_exact, triton_grouped, wide
-from .registry import Fit, Kernel, KernelUnavailableError, Plan, Weights, plan, plan_grouped
+from .registry import (
+    Fit,
+    GroupedKernel,
+    Kernel,
+    KernelUnavailableError,
+    Plan,
+    Weights,
+    plan,
+    plan_grouped,
+)
 
 REGISTRY: tuple[Kernel, ...] = (
     amx.AMX,  # C, AMX-INT8 tiles (Intel Xeon): the limb kernel's dots on tiles, from 16 rows on
@@ -23,5 +32,5 @@ REGISTRY: tuple[Kernel, ...] = (
     wide.WIDE,  # Python integers, any scale spread: the certificate's slow rows
 )
 
-__all__ = ["REGISTRY", "Fit", "Kernel", "KernelUnavailableError", "Plan", "Weights", "plan",
-           "plan_grouped"]
+__all__ = ["REGISTRY", "Fit", "GroupedKernel", "Kernel", "KernelUnavailableError", "Plan",
+           "Weights", "plan", "plan_grouped"]

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import warnings
 from pathlib import Path
 
 import torch
@@ -28,10 +27,10 @@ from .. import dataflow
 from ..contract import FloatFormat, act_qmax, float_format
 from ..formats import check_finite, float_bits, torch_dtype
 from . import native
-from .registry import Fit, Weights, int8_limbs_hold, no, yes
+from .registry import Fit, Weights, int8_limbs_hold, no, warn_fallback, yes
 
-SOURCE = Path(__file__).with_name("cpu_amx.c")
-EMULATION = Path(__file__).with_name("amx_emulated.h")
+SOURCE = native.CSRC / "cpu_amx.c"
+EMULATION = native.CSRC / "amx_emulated.h"
 FLAGS = ("-mamx-tile", "-mamx-int8")
 MODES = {"1": "the AMX instructions", "0": "off", "emulate": "emulated AMX tiles"}
 NEEDS = ("amx_tile", "amx_int8")
@@ -123,8 +122,8 @@ def status() -> tuple[ctypes.CDLL | None, Fit]:
     if not emulated and native.emulated():
         return None, no("real AMX tiles need the real AVX-512 beside them, and "
                         "EXACTNESS_NATIVE=emulate is set")
-    if native._missing_features() and not native.emulated():
-        return None, no(f"its AVX-512 half needs {', '.join(native._missing_features())} "
+    if native.missing_features() and not native.emulated():
+        return None, no(f"its AVX-512 half needs {', '.join(native.missing_features())} "
                         f"or EXACTNESS_NATIVE=emulate")
     lib, verdict = load()
     if lib is not None and emulated:
@@ -135,13 +134,6 @@ def status() -> tuple[ctypes.CDLL | None, Fit]:
 def library():
     """The loaded, self-checked AMX kernel, or None (status() says why)."""
     return status()[0]
-
-
-@functools.cache
-def warn_refused(why: str) -> None:
-    """Says once per process why an AMX machine does not run the AMX kernel."""
-    warnings.warn(f"the AMX kernel is not used: {why}; a slower exact CPU kernel runs instead",
-                  native.FallbackWarning, stacklevel=3)
 
 
 def amx_spans(weights: native.NativeWeights) -> AmxSpans:
@@ -345,7 +337,7 @@ class _AmxKernel:
             return no(f"it runs on the CPU, x is on {device}")
         lib, why = status()
         if lib is None and mode() == "1" and native.mode() != "0" and not missing_features():
-            warn_refused(why.why)  # an AMX machine that does not run it, unasked
+            warn_fallback("the AMX kernel", why.why)  # an AMX machine that does not run it
         return why
 
     def eligible(self, rows: int, weights: Weights) -> Fit:

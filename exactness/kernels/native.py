@@ -25,7 +25,6 @@ import stat
 import subprocess
 import tempfile
 import threading
-import warnings
 from pathlib import Path
 
 import torch
@@ -42,13 +41,22 @@ from ..contract import (
 from ..formats import check_finite, float_bits, torch_dtype
 from ..quantize import quantize_activations
 from . import first_run
-from .registry import Fit, Weights, int8_limbs_hold, no, refuse_unheld, yes
+from .registry import (
+    Fit,
+    Weights,
+    int8_limbs_hold,
+    no,
+    refuse_unheld,
+    warn_fallback,
+    yes,
+)
 
-SOURCE = Path(__file__).with_name("cpu_vnni.c")
+CSRC = Path(__file__).with_name("csrc")  # the C sources and headers of the CPU kernels
+SOURCE = CSRC / "cpu_vnni.c"
 FLAGS = ["-O3", "-fopenmp", "-shared", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512dq",
          "-mavx512vl", "-mavx512cd", "-mavx512vnni"]
 # EXACTNESS_NATIVE=emulate: the intrinsics in portable C (SIMDe from simde-py, and the header)
-EMULATION = Path(__file__).with_name("avx512_emulated.h")
+EMULATION = CSRC / "avx512_emulated.h"
 EMULATED_FLAGS = ["-O2", "-fopenmp", "-shared", "-fPIC", "-DSIMDE_NO_NATIVE", "-Wno-psabi"]
 MODES = {"1": "the AVX-512 VNNI instructions", "0": "off", "emulate": "emulated AVX-512"}
 NEEDS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx512_vnni")
@@ -83,12 +91,12 @@ def cpu_lacks(needs) -> list[str]:
     return [f for f in needs if f not in flags]
 
 
-def _missing_features() -> list[str]:
+def missing_features() -> list[str]:
     return cpu_lacks(NEEDS)
 
 
 def _cpu_has_vnni() -> bool:
-    return not _missing_features()
+    return not missing_features()
 
 
 def switch(variable: str, modes: dict) -> str:
@@ -115,7 +123,7 @@ def status() -> tuple[ctypes.CDLL | None, Fit]:
     """(the loaded kernel or None, and why): no VNNI, no compiler, or which self-check failed."""
     if mode() == "0":
         return None, no("EXACTNESS_NATIVE=0 turns the C kernel off")
-    missing = _missing_features()
+    missing = missing_features()
     if missing and not emulated():
         return None, no(f"the CPU lacks {', '.join(missing)}")
     lib, why = build(SOURCE.read_text())
@@ -157,17 +165,6 @@ def load_file(file: Path, digest: str) -> tuple[ctypes.CDLL | None, Fit]:
 def library():
     """The loaded, self-checked kernel, or None (status() says why)."""
     return status()[0]
-
-
-@functools.cache
-def warn_fallback(why: str) -> None:
-    """Says once per process why the C kernel is not used."""
-    warnings.warn(f"the C kernel (AVX-512 VNNI) is not used: {why}; a slower exact CPU kernel "
-                  f"runs instead", FallbackWarning, stacklevel=3)
-
-
-class FallbackWarning(UserWarning):
-    """A faster kernel is not used here, and why."""
 
 
 def load(source: str, check: bool = True):
@@ -865,7 +862,7 @@ class _VnniKernel:
             return no(f"it runs on the CPU, x is on {device}")
         lib, why = status()
         if lib is None:
-            warn_fallback(why.why)
+            warn_fallback("the C kernel (AVX-512 VNNI)", why.why)
         return why
 
     def eligible(self, rows: int, weights: Weights) -> Fit:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -43,6 +44,11 @@ class KernelUnavailableError(ContractValueError):
     """A kernel was asked for by name, but it does not run here or does not hold the inputs."""
 
 
+def capturing(x: torch.Tensor) -> bool:
+    """Whether x's stream is being captured into a CUDA graph."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 @dataclass(frozen=True)
 class Fit:
     ok: bool
@@ -50,6 +56,19 @@ class Fit:
 
     def __bool__(self) -> bool:
         return self.ok
+
+
+class FallbackWarning(UserWarning):
+    """A faster kernel is not used here, and why."""
+
+
+@functools.cache
+def warn_fallback(kernel: str, why: str, instead: str = "a slower exact CPU kernel runs instead",
+                  stacklevel: int = 3) -> None:
+    """Says once per process and reason that `kernel` is not used, why, and what runs instead:
+    the one warning of every fallback (the C kernels, AMX, the grouped MoE call)."""
+    warnings.warn(f"{kernel} is not used: {why}; {instead}", FallbackWarning,
+                  stacklevel=stacklevel)
 
 
 def yes(why: str) -> Fit:
@@ -117,6 +136,20 @@ class Kernel(Protocol):
 
     def run(self, x: torch.Tensor, weights: Weights, prepared: Any,
             out_format: FloatFormat) -> torch.Tensor: ...
+
+
+class GroupedKernel(Kernel, Protocol):
+    """A kernel with `grouped = True`: one projection of every routed expert of an MoE layer in
+    one call (exactness.moe)."""
+
+    # "layers": each routed expert's (Weights, prepare()'s object) after its layer's checks on
+    # the host, the prepared object saying found() (slow rows, NaN rows) after the call (the
+    # CPU's); "buffers": every expert's live buffers, through a table on the device (the GPU's)
+    reads: str
+
+    def run_grouped(self, x: torch.Tensor, routing, experts: list, bits: int, act_bits: int,
+                    out_format: FloatFormat, gather: bool,
+                    workspace=None) -> tuple[torch.Tensor, torch.Tensor | None]: ...
 
 
 @dataclass(frozen=True)

@@ -30,6 +30,7 @@ import torch
 from .. import dataflow
 from ..contract import GROUP_SIZE, ContractValueError, FloatFormat, act_qmax, float_format
 from ..formats import torch_dtype
+from . import registry
 from .cpu import int_mm_exact
 from .registry import Fit, Weights, int8_limbs_hold, no, yes
 
@@ -49,7 +50,7 @@ BLOCK_N = 512 if INTERPRETED else GPU_BLOCK_N
 GPU_QUANT_TILE = 4096
 QUANT_TILE = 16384 if INTERPRETED else GPU_QUANT_TILE
 # (BLOCK_M, BLOCK_N, num_warps) of exact_group_kernel that bench/gpu_check.py times beside the
-# default, on a GPU; `python -m exactness.kernels.triton_aot --tiles` compiles them without one
+# default, on a GPU; `python -m exactness.suite.triton_aot --tiles` compiles them without one
 # (none spills on sm_90; 256 x 64 does on sm_80; 64 x 128 with 4 warps and 128 x 128 spill on
 # sm_90, so they are not here)
 TUNING_TILES = ((16, 64, 4), (16, 128, 4), (32, 64, 4), (32, 128, 4), (64, 64, 8), (128, 32, 8),
@@ -347,8 +348,8 @@ if triton is not None:
                       OUT_MANT, OUT_EXP)
 
 
-_INT = {32: tl.int32, 64: tl.int64} if triton is not None else {}  # widths of dataflow
-_BITS = {16: torch.int16, 32: torch.int32}  # a float tensor's bit view, by width
+TRITON_INT = {32: tl.int32, 64: tl.int64} if triton is not None else {}  # widths of dataflow
+BIT_VIEW = {16: torch.int16, 32: torch.int32}  # a float tensor's bit view, by width
 
 
 def quantize_tile(m: int, tile: int = QUANT_TILE) -> tuple[int, int]:
@@ -360,7 +361,7 @@ def quantize_tile(m: int, tile: int = QUANT_TILE) -> tuple[int, int]:
 
 def quant_tile(act_bits: int, tile: int = QUANT_TILE) -> int:
     """quantize_kernel's activations a step for `act_bits`: `tile`, halved for four limbs (their
-    16 x 256 tile spilled registers on sm_90: python -m exactness.kernels.triton_aot)."""
+    16 x 256 tile spilled registers on sm_90: python -m exactness.suite.triton_aot)."""
     return tile // 2 if dataflow.act_limbs(act_bits) == 4 else tile
 
 
@@ -375,7 +376,8 @@ def group_constants(w_bits: int, limbs: int, out, block_n: int = BLOCK_N,
     """exact_group_kernel's compile-time constants for activations in `limbs` int8 limbs,
     output in `out` (a FloatFormat)."""
     return dict(W_BITS=w_bits, LIMBS=limbs, LIMB_OFFSET=dataflow.offset_for_limbs(limbs),
-                DOT_ACC=_INT[dataflow.DOT_ACC_BITS], COMBINE_ACC=_INT[dataflow.COMBINE_ACC_BITS],
+                DOT_ACC=TRITON_INT[dataflow.DOT_ACC_BITS],
+                COMBINE_ACC=TRITON_INT[dataflow.COMBINE_ACC_BITS],
                 OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits, BLOCK_M=block_m, BLOCK_N=block_n,
                 SPLIT=split)
 
@@ -410,7 +412,7 @@ def quantize(x: torch.Tensor, act_bits: int, slices: int | None = None,
     row_blocks, steps = triton.cdiv(m, block_m), triton.cdiv(k, block_k)
     slice_k = triton.cdiv(steps, slices or quantize_slices(row_blocks, steps, x.device)) * block_k
     quantize_kernel[(row_blocks, triton.cdiv(k, slice_k))](
-        x.view(_BITS[fmt.width]), limbs, e_r, nonfinite, m, k, slice_k, x.stride(0),
+        x.view(BIT_VIEW[fmt.width]), limbs, e_r, nonfinite, m, k, slice_k, x.stride(0),
         limbs.stride(0), **quantize_constants(fmt, act_bits, block_m, block_k))
     return limbs, e_r, nonfinite
 
@@ -455,7 +457,7 @@ def linear(limbs: torch.Tensor, e_r: torch.Tensor, weight_packed: torch.Tensor,
     split = per_slice < groups
     t = torch.zeros((m, n), dtype=torch.int64, device=device) if split else y  # y: unused
     emin = emin.to(torch.int64)
-    y_bits = y.view(_BITS[out.width])
+    y_bits = y.view(BIT_VIEW[out.width])
     exact_group_kernel[(triton.cdiv(m, block_m), triton.cdiv(n, block_n),
                         triton.cdiv(groups, per_slice))](
         limbs, weight_packed, factor, row_sums, e_r, emin, y_bits, t, m, n, groups, per_slice,
@@ -500,11 +502,6 @@ def rows_per_launch(k: int, n: int, act_bits: int) -> int:
     return max(1, INT32_OFFSETS // max(dataflow.act_limbs(act_bits) * k, n))
 
 
-def capturing(x: torch.Tensor) -> bool:
-    """Whether x's stream is being captured into a CUDA graph."""
-    return x.is_cuda and torch.cuda.is_current_stream_capturing()
-
-
 def folded_fits(m: int, n: int, k: int) -> bool:
     """Whether linear_folded takes this shape: its int8 GEMM sums K products in int32
     (dataflow.int_mm_bound), and cuBLAS's takes more than 16 rows, N and K multiples of 8."""
@@ -536,7 +533,7 @@ def linear_folded(limbs: torch.Tensor, e_r: torch.Tensor, weight_packed: torch.T
     out = float_format(out_dtype)
     y = torch.empty((m, n), dtype=out_dtype, device=device)
     grid = (triton.cdiv(m, COMBINE_BLOCK), triton.cdiv(n, COMBINE_BLOCK))
-    combine_kernel[grid](z, row_sums, e_r, emin.to(torch.int64), y.view(_BITS[out.width]), m, n,
+    combine_kernel[grid](z, row_sums, e_r, emin.to(torch.int64), y.view(BIT_VIEW[out.width]), m, n,
                          z.stride(0), y.stride(0), **combine_constants(a_limbs, w_limbs, out))
     return y
 
@@ -582,7 +579,7 @@ class _TritonKernel:
     def run(self, x, weights: Weights, prepared: None, out_format: FloatFormat):
         """y for a finite x (the layer gives a non-finite row its NaN first): nothing is read
         back."""
-        if capturing(x):
+        if registry.capturing(x):
             raise ContractValueError(
                 "the exact layers cannot be captured into a CUDA graph yet: a forward reads "
                 "back whether any weight row is slow; run them eagerly")

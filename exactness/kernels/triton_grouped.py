@@ -25,10 +25,10 @@ import torch
 from .. import dataflow
 from ..contract import FloatFormat
 from ..formats import torch_dtype
-from . import triton_exact
+from . import registry, triton_exact
 from .registry import Fit, Weights, int8_limbs_hold, refuse_unheld
 from .routing import Routing, route
-from .triton_exact import _BITS, _INT, BLOCK_M, BLOCK_N, triton
+from .triton_exact import BIT_VIEW, BLOCK_M, BLOCK_N, TRITON_INT, triton
 
 if triton is not None:
     import triton.language as tl
@@ -118,8 +118,9 @@ def grouped_constants(w_bits: int, act_bits: int, k: int, out: FloatFormat, part
                       gather: bool, block_m: int = BLOCK_M, block_n: int = BLOCK_N) -> dict:
     """grouped_kernel's compile-time constants, output in `out` (a FloatFormat)."""
     return dict(W_BITS=w_bits, LIMBS=dataflow.act_limbs(act_bits),
-                LIMB_OFFSET=dataflow.limb_offset(act_bits), DOT_ACC=_INT[dataflow.DOT_ACC_BITS],
-                COMBINE_ACC=_INT[dataflow.COMBINE_ACC_BITS],
+                LIMB_OFFSET=dataflow.limb_offset(act_bits),
+                DOT_ACC=TRITON_INT[dataflow.DOT_ACC_BITS],
+                COMBINE_ACC=TRITON_INT[dataflow.COMBINE_ACC_BITS],
                 SPREAD_LIMIT=dataflow.certified_spread(k, w_bits, act_bits),
                 OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits, PARTS=parts, GATHER=gather,
                 BLOCK_M=block_m, BLOCK_N=block_n)
@@ -173,7 +174,7 @@ def grouped_launch(x: torch.Tensor, routing: Routing, experts, bits: int, act_bi
     grid = (block_expert.numel(), parts * triton.cdiv(n, BLOCK_N))
     grouped_kernel[grid](
         limbs, e_r, routing.token, block_rows, block_expert, used, table(experts, device),
-        trouble, y.view(_BITS[out_format.width]), rows_total, n, k, limbs.stride(0),
+        trouble, y.view(BIT_VIEW[out_format.width]), rows_total, n, k, limbs.stride(0),
         limbs.stride(1), y.stride(0),
         **grouped_constants(bits, act_bits, k, out_format, parts, gather))
     return y, nonfinite.to(torch.int64).sum(), trouble[0].to(torch.int64)
@@ -197,7 +198,7 @@ class _TritonGroupedKernel:
         return {}  # per device: weight_shape as a tensor there
 
     def run(self, x, weights: Weights, prepared: dict, out_format: FloatFormat):
-        if triton_exact.capturing(x):
+        if registry.capturing(x):
             return triton_exact.GROUP.run(x, weights, prepared, out_format)  # which refuses it
         if x.device not in prepared:
             prepared[x.device] = torch.tensor([weights.n, weights.k], device=x.device)

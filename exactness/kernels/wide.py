@@ -136,3 +136,12 @@ class _WideKernel:
 
 
 WIDE = _WideKernel()
+
+
+def splice_slow_rows(y: torch.Tensor, x: torch.Tensor, weights: Weights, slow: torch.Tensor,
+                     out_format: FloatFormat, rows=slice(None), column: int = 0) -> None:
+    """Write into y[rows, column + slow] the outputs of the weight rows `slow`, whose scale
+    spread no fast kernel holds, for x's rows: this kernel's. A layer's forward and the grouped
+    MoE call both finish with it."""
+    y[rows, column + slow.to(y.device)] = linear_rows(x, weights, slow, out_format,
+                                                      WIDE.prepare(weights))

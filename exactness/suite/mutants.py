@@ -19,6 +19,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import dataflow, formats, kimi, modules, moe, quantize
+from ..kernels import activations, amx, cpu, native, triton_exact, triton_grouped, wide
+
 
 @dataclass(frozen=True)
 class Mutant:
@@ -92,6 +95,27 @@ def mutated_amx_kernel(mutant: Mutant):
         raise RuntimeError(f"mutant {mutant.name}: the mutated AMX kernel does not build or "
                            f"run: {why.why}")
     return lib
+
+
+def at(function) -> str:
+    """A mutant's target, "module:qualname", from the function or method itself (a Triton
+    kernel's own function): a function moved is found where it went, and one gone fails the
+    import of this catalogue, never a mutant silently."""
+    function = getattr(function, "fn", function)  # triton.jit wraps the function
+    return f"{function.__module__}:{function.__qualname__}"
+
+
+def triton_at(module, name: str) -> str:
+    """at() of a function of a Triton module; where Triton is missing (its kernels are not
+    defined then), the name in that module, whose mutants do not run there."""
+    if module.triton is None:
+        return f"{module.__name__}:{name}"
+    return at(getattr(module, name))
+
+
+def source(module) -> str:
+    """The C source a kernel module builds (its SOURCE), relative to the repository."""
+    return module.SOURCE.resolve().relative_to(ROOT).as_posix()
 
 
 def runs_here(mutant: Mutant) -> bool:
@@ -365,9 +389,9 @@ TRITON, TRITON_VECTORS = equivalence("triton-group"), vectors("triton-group")
 FOLDED = "tests/test_modules.py::test_triton_folded_path_matches_reference"
 FOLDED_VECTORS = vectors("triton-folded")
 SPANS, SPANS_VECTORS = equivalence("vnni-spans"), vectors("vnni-spans")
-KERNEL = "exactness.kernels.triton_exact:exact_group_kernel"
-C_KERNEL = "exactness/kernels/cpu_vnni.c"
-AMX_KERNEL = "exactness/kernels/cpu_amx.c"
+KERNEL = triton_at(triton_exact, "exact_group_kernel")
+C_KERNEL = source(native)
+AMX_KERNEL = source(amx)
 AMX, AMX_VECTORS = equivalence("amx"), vectors("amx")
 BATCH = "tests/test_modules.py::test_batch_and_permutation_invariance"
 QUANTIZE_SLICES = "tests/test_modules.py::test_the_quantize_kernel_at_any_slicing_and_tile"
@@ -375,7 +399,7 @@ SPANS_EDGE = "tests/test_modules.py::test_span_kernel_at_the_int32_edge"
 LIMBS_32 = "tests/test_proofs.py::test_activation_limbs_recombine_at_every_width[32]"
 ACT32_KERNELS = "tests/test_act32.py::test_a_kernel_holds_32_bits_or_refuses_them_by_name"
 SPANS_CHAIN = "tests/test_modules.py::test_span_bounds_attacked_one_chain_at_a_time"
-GROUPED_KERNEL = "exactness.kernels.triton_grouped:grouped_kernel"
+GROUPED_KERNEL = triton_at(triton_grouped, "grouped_kernel")
 
 
 def grouped(path: str) -> str:
@@ -390,13 +414,13 @@ def moe_block(backend: str) -> str:
 
 CATALOGUE = (
     # --- packing and decoding
-    Mutant("nibble-order-reversed", "exactness.formats:unpack_weights",
+    Mutant("nibble-order-reversed", at(formats.unpack_weights),
            "shifts = np.arange(per, dtype=np.int64) * bits",
            "shifts = (per - 1 - np.arange(per, dtype=np.int64)) * bits",
            "nibble order reversed when repacking (llama.cpp, Kimi int4 -> Q4_0)",
            (AGREEMENT, "tests/test_formats.py::test_unpack_matches_compressed_tensors",
             VECTORS), every_killer=True),
-    Mutant("int4-read-as-twos-complement", "exactness.formats:unpack_weights",
+    Mutant("int4-read-as-twos-complement", at(formats.unpack_weights),
            "return (fields - 2 ** (bits - 1))",
            "return (fields - ((fields >> (bits - 1)) << bits))",
            "int4 read as another 4-bit type (vLLM batched Marlin's hard-coded type id)",
@@ -405,17 +429,17 @@ CATALOGUE = (
            "fields = tl.arange(0, per_word) * W_BITS",
            "fields = (per_word - 1 - tl.arange(0, per_word)) * W_BITS",
            "nibble order reversed in the kernel's unpack", (TRITON, TRITON_VECTORS)),
-    Mutant("kernel-high-nibble-sign-extended", "exactness.kernels.triton_exact:unpack_fields",
+    Mutant("kernel-high-nibble-sign-extended", triton_at(triton_exact, "unpack_fields"),
            "((words[:, :, None] >> shifts[None, None, :]) & ((1 << W_BITS) - 1))",
            "(words[:, :, None] >> shifts[None, None, :])",
            "sign of the high nibble kept by an arithmetic shift (compressed-tensors review)",
            (TRITON, TRITON_VECTORS, FOLDED)),
-    Mutant("subnormal-exponent-off-by-one", "exactness.formats:decode",
+    Mutant("subnormal-exponent-off-by-one", at(formats.decode),
            "e = fmt.quantum_min + max(field - 1, 0)", "e = fmt.quantum_min + field - 1",
            "subnormal exponent taken as emin - 1",
            (ORACLE_VECTORS, "tests/test_formats.py::test_decode_matches_torch"),
            every_killer=True),
-    Mutant("subnormal-exponent-off-by-one-vectorized", "exactness.formats:decode_array",
+    Mutant("subnormal-exponent-off-by-one-vectorized", at(formats.decode_array),
            "e = fmt.quantum_min + (field - 1).clip(min=0)", "e = fmt.quantum_min + field - 1",
            "subnormal exponent taken as emin - 1",
            (AGREEMENT, "tests/test_formats.py::test_decode_every_16bit_pattern_matches_torch",
@@ -425,15 +449,15 @@ CATALOGUE = (
            "f = tl.load(f_ptr + offs_n * stride_fn + g, mask=mask_n, other=0)",
            "f = tl.load(f_ptr + offs_n * stride_fn + tl.maximum(g - 1, 0), mask=mask_n, other=0)",
            "group g's scale applied to group g + 1", (TRITON, TRITON_VECTORS)),
-    Mutant("tile-of-64-with-one-scale", "exactness.kernels.cpu:fold",
+    Mutant("tile-of-64-with-one-scale", at(cpu.fold),
            "scale[:, :, None]", "scale[:, (torch.arange(k // GROUP_SIZE) // 2) * 2, None]",
            "one group's scale applied to a whole tile wider than the group (vLLM triton w4a16)",
            (GEMM, GEMM_VECTORS)),
-    Mutant("vnni-scale-of-the-neighbour-group", "exactness.kernels.native:NativeWeights.__init__",
+    Mutant("vnni-scale-of-the-neighbour-group", at(native.NativeWeights.__init__),
            "pad(factor.to(torch.int32)", "pad(factor.roll(1, dims=1).to(torch.int32)",
            "group g's scale applied to group g + 1 in the derived layout (the span kernel's)",
            (SPANS, SPANS_VECTORS)),
-    Mutant("vnni-rows-interleaved-wrong", "exactness.kernels.native:NativeWeights.__init__",
+    Mutant("vnni-rows-interleaved-wrong", at(native.NativeWeights.__init__),
            ".permute(0, 2, 1, 3)", ".permute(0, 2, 1, 3).flip(2)",
            "weight rows swapped inside a 16-row vector block of the derived layout",
            (SPANS, SPANS_VECTORS)),
@@ -451,7 +475,7 @@ CATALOGUE = (
            "tl.where(g_start == 0, LIMB_OFFSET, 0)", "LIMB_OFFSET",
            "split K: the limb offset's sum added by every slice of K instead of the first",
            (TRITON, "tests/test_modules.py::test_the_group_kernels_k_split_changes_no_bit")),
-    Mutant("kernel-offset-sum-of-biased-fields", "exactness.kernels.triton_exact:offset_sums",
+    Mutant("kernel-offset-sum-of-biased-fields", triton_at(triton_exact, "offset_sums"),
            "group_sums = word_sums.reshape(n, -1, w_bits).sum(-1) - GROUP_SIZE * 2 ** (w_bits - 1)",
            "group_sums = word_sums.reshape(n, -1, w_bits).sum(-1)",
            "the limb offset's sum taken over the stored fields (q + 8), not q",
@@ -462,28 +486,29 @@ CATALOGUE = (
            ("tests/test_modules.py::test_the_triton_kernels_at_8_bit_weights[triton-group]",
             TRITON)),
     # the Triton kernels at 32-bit activations: four limbs, P' in two int32 halves
-    Mutant("kernel-32-top-limb-from-the-third", "exactness.kernels.triton_exact:group_sums",
+    Mutant("kernel-32-top-limb-from-the-third", triton_at(triton_exact, "group_sums"),
            "limb_dot(a_ptrs, 3 * stride_limb", "limb_dot(a_ptrs, 2 * stride_limb",
            "the top activation limb read from the plane of the one below it (a limb dropped)",
            (TRITON_VECTORS, TRITON, ACT32_KERNELS + "[triton-group]")),
-    Mutant("kernel-32-high-half-place-off", "exactness.kernels.triton_exact:group_term",
+    Mutant("kernel-32-high-half-place-off", triton_at(triton_exact, "group_term"),
            "f.to(COMBINE_ACC)[None, :]) << 16", "f.to(COMBINE_ACC)[None, :]) << 8",
            "the high pair of limbs at 2**8, not 2**16: a limb's place value off by one",
            (TRITON_VECTORS, TRITON, ACT32_KERNELS + "[triton-group]")),
-    Mutant("kernel-32-group-sum-in-int32", "exactness.kernels.triton_exact:group_term",
+    Mutant("kernel-32-group-sum-in-int32", triton_at(triton_exact, "group_term"),
            "term += (p_hi.to(COMBINE_ACC) * f.to(COMBINE_ACC)[None, :]) << 16",
            "term += (p_hi << 16).to(COMBINE_ACC) * f.to(COMBINE_ACC)[None, :]",
            "a group's high half placed in int32, where 32-bit activations need int64: it wraps",
            (TRITON_VECTORS, TRITON, ACT32_KERNELS + "[triton-group]")),
     # --- accumulators
-    Mutant("kernel-int32-combine", "exactness.kernels.triton_exact:group_constants",
-           "COMBINE_ACC=_INT[dataflow.COMBINE_ACC_BITS]", "COMBINE_ACC=_INT[32]",
+    Mutant("kernel-int32-combine", triton_at(triton_exact, "group_constants"),
+           "COMBINE_ACC=TRITON_INT[dataflow.COMBINE_ACC_BITS]",
+           "COMBINE_ACC=TRITON_INT[32]",
            "an int32 accumulator where the contract needs int64",
            (TRITON, "tests/test_modules.py::test_full_kimi_sizes[triton-16]")),
-    Mutant("cpu-limb-shift-dropped", "exactness.kernels.cpu:accumulate",
+    Mutant("cpu-limb-shift-dropped", at(cpu.accumulate),
            "<< (dataflow.LIMB_BITS * (i + j))", "<< (dataflow.LIMB_BITS * i)",
            "a limb's place value lost when combining int8 GEMMs", (GEMM, GEMM_VECTORS)),
-    Mutant("wide-int32-group-sum", "exactness.kernels.wide:linear_rows",
+    Mutant("wide-int32-group-sum", at(wide.linear_rows),
            "{32: torch.int32, 64: torch.int64}", "{32: torch.int32, 64: torch.int32}",
            "an int32 group sum where 32-bit activations need int64",
            (equivalence("wide"), vectors("wide"))),
@@ -491,121 +516,121 @@ CATALOGUE = (
            "(parts[0] << dataflow.HALF_BITS)", "parts[0]",
            "the high half's place value lost when recombining the float64 GEMMs",
            (equivalence("float64-gemm"), vectors("float64-gemm"))),
-    Mutant("act-limb-dropped", "exactness.dataflow:act_limbs",
+    Mutant("act-limb-dropped", at(dataflow.act_limbs),
            "return -(-act_qmax(act_bits).bit_length() // LIMB_BITS)",
            "return min(3, -(-act_qmax(act_bits).bit_length() // LIMB_BITS))",
            "32-bit activations split into one limb too few",
            (LIMBS_32, "tests/test_proofs.py::test_the_limb_split_is_proved_at_every_width[32]")),
-    Mutant("act-limb-place-value-off-by-one", "exactness.dataflow:offset_for_limbs",
+    Mutant("act-limb-place-value-off-by-one", at(dataflow.offset_for_limbs),
            "2 ** (LIMB_BITS * (limbs - 1))", "2 ** (LIMB_BITS * (limbs - 1) - 1)",
            "a limb's place value off by one bit in the offset that centres the limbs",
            (LIMBS_32, GEMM)),
     Mutant("limb-saturates", "exactness.dataflow:int8_digits",
            "low = ((rest + 128) & 255) - 128", "low = rest.clamp(-128, 127)",
            "saturating instead of splitting into limbs", (GEMM, equivalence("int64-matmul"))),
-    Mutant("overflow-wraps-instead-of-inf", "exactness.formats:round_scaled_array",
+    Mutant("overflow-wraps-instead-of-inf", at(formats.round_scaled_array),
            "xp.where(field >= fmt.exp_max_field, fmt.inf_bits,\n"
            "                 (field << fmt.mant_bits)",
            "xp.where(field >= 10**9, fmt.inf_bits,\n                 (field << fmt.mant_bits)",
            "an exponent past the format wraps instead of rounding to inf",
            (AGREEMENT, VECTORS)),
     # --- rounding
-    Mutant("rne-as-half-up", "exactness.formats:round_scaled",
+    Mutant("rne-as-half-up", at(formats.round_scaled),
            "if rem > half or (rem == half and n & 1):", "if rem >= half:",
            "round half up instead of ties to even",
            (ORACLE_VECTORS, "tests/test_formats.py::test_round_fp32_matches_torch",
             "tests/test_formats.py::test_round_array_matches_scalar_near_ties"),
            every_killer=True),
-    Mutant("rne-as-half-away", "exactness.formats:rne_shift_right",
+    Mutant("rne-as-half-away", at(formats.rne_shift_right),
            "((rem > half) | ((rem == half) & ((n & 1) == 1)))", "(rem >= half)",
            "round half away from zero instead of ties to even",
            (AGREEMENT, "tests/test_formats.py::test_round_array_matches_scalar_near_ties")),
-    Mutant("rne-as-truncation", "exactness.formats:rne_shift_right",
+    Mutant("rne-as-truncation", at(formats.rne_shift_right),
            "return n + ((s > 0) &", "return n + (s < 0) * (",
            "truncation instead of rounding", (AGREEMENT, VECTORS)),
-    Mutant("sticky-bit-ignored", "exactness.formats:rne_shift_right",
+    Mutant("sticky-bit-ignored", at(formats.rne_shift_right),
            "((rem > half) | ((rem == half) & ((n & 1) == 1)))",
            "((rem >= half) & ((n & 1) == 1))",
            "round on the guard bit alone: every value past half an ulp is treated as a tie",
            (AGREEMENT, "tests/test_formats.py::test_round_array_matches_scalar_near_ties",
             VECTORS), every_killer=True),
-    Mutant("double-rounding-through-fp32", "exactness.kernels.cpu:forward",
+    Mutant("double-rounding-through-fp32", at(cpu.forward),
            "return bits_to_tensor(round_scaled_array(t, e, out_format), out_format)",
            "return torch.ldexp(t.double(), e.double()).float().to(x.dtype)",
            "the exact integer rounded to fp32, then to bf16 (Marlin epilogue, OpenVINO)",
            ("tests/test_modules.py::test_final_rounding_near_ties[int8-gemm]", GEMM)),
     # --- activation quantization
-    Mutant("activation-exponent-too-small-clamped", "exactness.kernels.activations:quantize_rows",
+    Mutant("activation-exponent-too-small-clamped", at(activations.quantize_rows),
            "return torch.round(scaled).to(torch.int32), e_r",
            "qmax = 2 ** (act_bits - 1) - 1\n"
            "    return torch.round(scaled * 2).clamp(-qmax, qmax).to(torch.int32), e_r - 1",
            "activation scale exponent one too small, the overflow clamped",
            (GEMM, GEMM_VECTORS)),
-    Mutant("activation-exponent-too-large", "exactness.kernels.activations:quantize_rows",
+    Mutant("activation-exponent-too-large", at(activations.quantize_rows),
            "return torch.round(scaled).to(torch.int32), e_r",
            "return torch.round(scaled / 2).to(torch.int32), e_r + 1",
            "activation scale exponent one too large: a bit of precision lost",
            (GEMM, GEMM_VECTORS)),
-    Mutant("negative-zero-for-exact-zero", "exactness.kernels.cpu:forward",
+    Mutant("negative-zero-for-exact-zero", at(cpu.forward),
            "return bits_to_tensor(round_scaled_array(t, e, out_format), out_format)",
            "return bits_to_tensor(torch.where(t == 0, out_format.sign_bit, "
            "round_scaled_array(t, e, out_format)), out_format)",
            "-0.0 for an exact zero", (GEMM_VECTORS, GEMM)),
-    Mutant("row-scale-from-the-batch", "exactness.kernels.activations:quantize_rows",
+    Mutant("row-scale-from-the-batch", at(activations.quantize_rows),
            "amax = x.abs().amax(dim=1, keepdim=True)",
            "amax = x.abs().amax().expand(x.shape[0], 1)",
            "one activation scale for the whole batch: a row's bits depend on the others",
            (GEMM, GEMM_VECTORS)),
     # --- the Triton kernels' quantization and rounding
-    Mutant("kernel-rounding-ties-away", "exactness.kernels.triton_exact:rne_shift_right",
+    Mutant("kernel-rounding-ties-away", triton_at(triton_exact, "rne_shift_right"),
            "((rem == half) & ((n & 1) == 1))", "(rem == half)",
            "the Triton epilogue's ties rounded away from zero instead of to even",
            ("tests/test_modules.py::test_final_rounding_near_ties[triton-group]", TRITON)),
-    Mutant("kernel-activation-exponent-too-small", "exactness.kernels.triton_exact:quantize_kernel",
+    Mutant("kernel-activation-exponent-too-small", triton_at(triton_exact, "quantize_kernel"),
            "ae + t0 + tl.where(fits, 0, 1)", "ae + t0",
            "the Triton quantization's row exponent one too small where the maximum needs the next",
            (TRITON, TRITON_VECTORS)),
-    Mutant("kernel-row-exponent-of-the-slice", "exactness.kernels.triton_exact:quantize_kernel",
+    Mutant("kernel-row-exponent-of-the-slice", triton_at(triton_exact, "quantize_kernel"),
            "for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=4):",
            "for k0 in tl.range(tl.program_id(1) * slice_k,"
            " tl.minimum(K, (tl.program_id(1) + 1) * slice_k), BLOCK_K, loop_unroll_factor=4):",
            "each slice of K of the Triton quantization takes its rows' exponents from its own "
            "slice, not the whole row", (QUANTIZE_SLICES,)),
-    Mutant("kernel-infinity-not-flagged", "exactness.kernels.triton_exact:quantize_kernel",
+    Mutant("kernel-infinity-not-flagged", triton_at(triton_exact, "quantize_kernel"),
            "(row_max >= ((1 << EXP) - 1) << MANT)", "(row_max > ((1 << EXP) - 1) << MANT)",
            "the Triton quantization flags rows holding NaN but not rows holding an infinity, "
            "which then goes through the grouped MoE call as a number",
            ("tests/test_moe.py::test_a_non_finite_input_gives_the_loops_nan_rows_or_its_error"
             "[triton]",)),
     Mutant("launch-blocks-read-the-first-rows",
-           "exactness.kernels.triton_exact:_TritonKernel.launches",
+           at(triton_exact._TritonKernel.launches),
            "quantize(rows, weights.act_bits)",
            "quantize(x[:len(rows)], weights.act_bits)",
            "each block of rows launched to keep offsets in int32 reads the first block's rows "
            "(the block's offset not carried into its launch)",
            ("tests/test_modules.py::test_launches_in_blocks_of_rows_match_reference",)),
-    Mutant("kernel-output-sign-dropped", "exactness.kernels.triton_exact:round_scaled",
+    Mutant("kernel-output-sign-dropped", triton_at(triton_exact, "round_scaled"),
            "bits = bits | tl.where(m < 0, (a * 0 + 1) << (MANT + EXP), 0)", "bits = bits",
            "the sign bit not set on negative outputs in the Triton epilogue",
            (TRITON_VECTORS, TRITON)),
     # --- the GPU's folded path (many rows): fold_kernel's digits, combine_kernel's place values
-    Mutant("kernel-folded-digit-carry-lost", "exactness.kernels.triton_exact:fold_kernel",
+    Mutant("kernel-folded-digit-carry-lost", triton_at(triton_exact, "fold_kernel"),
            "v = (v - low) >> 8", "v = v >> 8",
            "a folded weight's next digit taken without the borrow of a negative low digit",
            (FOLDED, FOLDED_VECTORS)),
     Mutant("kernel-folded-weight-digit-place-dropped",
-           "exactness.kernels.triton_exact:combine_kernel",
+           triton_at(triton_exact, "combine_kernel"),
            "t += z.to(tl.int64) << (8 * (i + j))", "t += z.to(tl.int64) << (8 * i)",
            "a weight digit's place value lost when combining the limb GEMMs",
            (FOLDED, FOLDED_VECTORS)),
     # --- the layer as serving stacks drive it (issue 20)
-    Mutant("int-mm-k-not-sliced", "exactness.dataflow:int_mm_chunk",
+    Mutant("int-mm-k-not-sliced", at(dataflow.int_mm_chunk),
            "return min(k, INT_MM_CHUNK)", "return k",
            "all of K summed in one int32 GEMM: past 2**17 products it wraps (a sign flip)",
            ("tests/test_reliability.py::"
             "test_the_int8_gemm_path_is_exact_past_two_to_the_17_products",
             "tests/test_proofs.py::test_the_int8_gemms_are_sliced_where_all_of_k_would_wrap")),
-    Mutant("prepared-kept-across-forwards", "exactness.modules:_PackedExactLinear.forward",
+    Mutant("prepared-kept-across-forwards", at(modules.ExactLayer.forward),
            "prepared = chosen.kernel.prepare(weights)",
            "prepared = self.__dict__.setdefault(\"_kept\", chosen.kernel.prepare(weights))",
            "what a kernel derives kept from the first forward on: a write through any door "
@@ -640,24 +665,24 @@ CATALOGUE = (
            ("tests/test_reliability.py::test_a_non_finite_scale_written_in_place_gives_its_row_"
             "nan[vnni-limbs]",)),
     # --- contract v1.2: non-finite rows (issue 40)
-    Mutant("nan-rows-of-x-left-zero", "exactness.modules:_PackedExactLinear.forward",
+    Mutant("nan-rows-of-x-left-zero", at(modules.ExactLayer.forward),
            "y = y.masked_fill_(bad_rows[:, None], float(\"nan\"))", "pass",
            "a row of x holding an inf or a NaN computed as zeros, its outputs +0.0, not NaN",
            ("tests/test_errors.py::test_layer_non_finite_x_gives_nan_rows_or_raises_when_strict"
             "[vnni-limbs]", CPU_VECTORS)),
-    Mutant("nan-weight-rows-left-zero", "exactness.modules:_PackedExactLinear.forward",
+    Mutant("nan-weight-rows-left-zero", at(modules.ExactLayer.forward),
            "y = y.index_fill_(1, nan_rows.to(y.device), float(\"nan\"))",
            "pass", "a non-finite scale written in place counted as 0: finite outputs for its row",
            ("tests/test_reliability.py::test_a_non_finite_scale_written_in_place_gives_its_row_nan"
             "[vnni-limbs]",)),
     Mutant("nan-weight-rows-left-zero-on-the-device",
-           "exactness.modules:_PackedExactLinear.forward",
+           at(modules.ExactLayer.forward),
            "y = y.masked_fill_(nan_rows[None, :], float(\"nan\"))", "pass",
            "the Triton forward's rows holding a non-finite scale left finite, not NaN",
            ("tests/test_reliability.py::test_a_non_finite_scale_written_in_place_gives_its_row_nan"
             "[triton-group]",)),
     Mutant("weight-shape-read-at-every-gpu-forward",
-           "exactness.modules:_PackedExactLinear._readable_buffers",
+           at(modules.ExactLayer._readable_buffers),
            "elif self._shape_seen[0] is not shape or self._shape_seen[1] != shape._version:",
            "elif True:",
            "a GPU forward reads weight_shape's values back each time: a host sync a CUDA graph "
@@ -727,7 +752,7 @@ CATALOGUE = (
            "bits = _mm512_maskz_mov_epi64(~subnormal, bits);",
            "subnormal results flushed to zero (FTZ)", (CPU_VECTORS, CPU)),
     # --- the span kernel (16-bit activations, 4-bit weights)
-    Mutant("span-bound-doubled", "exactness.kernels.native:span_scales",
+    Mutant("span-bound-doubled", at(native.span_scales),
            "fits = ((tot // div <= limit)", "fits = ((tot // div <= 2 * limit)",
            "a span's int32 bound off by a factor of two: two extreme groups share a span and wrap",
            (SPANS_EDGE, SPANS_CHAIN + "[one-step-past-k1-k3]")),
@@ -736,7 +761,7 @@ CATALOGUE = (
            "_mm512_srai_epi64(_mm512_slli_epi64(d, 32), 32)",
            "a span's sum added without its power of two (the even rows' scale exponent lost)",
            (SPANS, SPANS_VECTORS)),
-    Mutant("span-chain-bound-doubled", "exactness.kernels.native:span_scales",
+    Mutant("span-chain-bound-doubled", at(native.span_scales),
            "(c.abs() * chain_sum <= limit)", "(c.abs() * chain_sum <= 2 * limit)",
            "an unshifted block's chain bound off by a factor of two: a chain wraps",
            (SPANS_EDGE, SPANS_CHAIN + "[one-step-past-k0-k2]")),
@@ -772,18 +797,18 @@ CATALOGUE = (
            "where a span ends after the first group of a step, the second group is never taken",
            (AMX, AMX_VECTORS)),
     # --- inputs the suite did not generate (issue 23)
-    Mutant("int-mm-exactness-trusted", "exactness.kernels.cpu:_GemmKernel.available",
+    Mutant("int-mm-exactness-trusted", at(cpu._GemmKernel.available),
            "if self.int8 and not int_mm_exact():", "if False:",
            "torch._int_mm trusted without the check of its exactness: on a CPU whose int8 GEMM "
            "runs through fp32, wrong sums",
            ("tests/test_modules.py::test_every_cpu_path_the_plan_takes_on_another_machine"
             "[no-vnni-int-mm-inexact]",)),
-    Mutant("subnormal-scale-not-on-the-subnormal-grid", "exactness.quantize:quantize_weight",
+    Mutant("subnormal-scale-not-on-the-subnormal-grid", at(quantize.quantize_weight),
            "es = np.maximum(es, BFLOAT16.quantum_min)", "es = es + 0",
            "from_weight's scale exponent left below bf16's smallest: a tiny group's scale "
            "encoded as a subnormal of another value",
            ("tests/test_modules.py::test_from_weight_matches_the_oracle_quantizer",)),
-    Mutant("converter-keeps-a-layer-of-other-act-bits", "exactness.kimi:_stage",
+    Mutant("converter-keeps-a-layer-of-other-act-bits", at(kimi._stage),
            "reuse = isinstance(module, PackedInt4Linear) and module.act_bits == act_bits",
            "reuse = isinstance(module, PackedInt4Linear)",
            "convert_kimi_to_exact keeps the model's exact layers at their act_bits, not the one "
@@ -791,7 +816,7 @@ CATALOGUE = (
                          "setting[None-8]",
                          "tests/test_kimi.py::test_every_conversion_option_computes_at_its_"
                          "setting[4-4]")),
-    Mutant("converter-checks-only-the-first-projection", "exactness.kimi:load_routed",
+    Mutant("converter-checks-only-the-first-projection", at(kimi.load_routed),
            "for name, layer in targets.items():  # all header checks before the first byte",
            "for name, layer in list(targets.items())[:1]:  # all header checks before the "
            "first byte",
@@ -801,46 +826,46 @@ CATALOGUE = (
             "[packed-too-short]",
             "tests/test_kimi.py::test_bad_tensors_name_the_tensor_and_the_file[packed-int64]")),
     # --- the streamed loader (issue 42)
-    Mutant("loader-values-unchecked", "exactness.kimi:load_routed",
+    Mutant("loader-values-unchecked", at(kimi.load_routed),
            "checkpoint.check_values(targets[name], name, buffer, tensor)", "pass",
            "the streamed tensors' values never checked: a non-finite scale loads silently",
            ("tests/test_load.py::test_a_failure_midway_through_the_stream_leaves_the_model_"
             "unchanged",
             "tests/test_kimi.py::test_bad_tensors_name_the_tensor_and_the_file[scale-nan]")),
-    Mutant("loader-keeps-every-shard-mapped", "exactness.kimi:KimiCheckpoint.stream",
+    Mutant("loader-keeps-every-shard-mapped", at(kimi.KimiCheckpoint.stream),
            "if last and not mapped:", "if last and False:",
            "each shard's mapping kept to the end of the load: the process holds the whole "
            "checkpoint's pages on top of the copies",
            ("tests/test_load.py::test_each_scale_is_checked_once_and_each_shard_released_after_"
             "its_last_tensor",)),
-    Mutant("loader-size-not-looked-at-again", "exactness.kimi:KimiCheckpoint.map_tensor",
+    Mutant("loader-size-not-looked-at-again", at(kimi.KimiCheckpoint.map_tensor),
            "if size != shard.size:", "if False:",
            "a shard cut short after its header was read is read through its mapping: a SIGBUS "
            "where the pages are gone",
            ("tests/test_load.py::test_a_shard_cut_short_under_the_reader_is_an_error_not_a_"
             "crash",)),
-    Mutant("mmap-copies-the-tensors", "exactness.kimi:KimiCheckpoint.read",
+    Mutant("mmap-copies-the-tensors", at(kimi.KimiCheckpoint.read),
            "if mapped and view.data_ptr() % view.element_size() == 0:", "if False:",
            "mmap=True copies every tensor: anonymous memory the size of the experts",
            ("tests/test_load.py::test_mmap_leaves_the_int4_tensors_file_backed_and_copy_on_"
             "write",)),
-    Mutant("finite-check-first-step-only", "exactness.formats:check_finite_tensor",
+    Mutant("finite-check-first-step-only", at(formats.check_finite_tensor),
            "flat.split(CHECK_STEP) if", "flat.split(CHECK_STEP)[:1] if",
            "a CPU check in steps that stops after the first: a non-finite scale past it loads",
            ("tests/test_formats.py::test_a_finite_check_in_steps_finds_a_bad_value_at_every_"
             "step_edge[inf-131076]",)),
-    Mutant("remote-expert-computes-zeros", "exactness.moe:RemoteLinear.forward",
+    Mutant("remote-expert-computes-zeros", at(moe.RemoteLinear.forward),
            "raise MissingExpertError(", "return x.new_zeros(x.shape[0], self.out_features)\n"
            "    MissingExpertError(",
            "a token routed to an expert held elsewhere gets zeros, silently",
            ("tests/test_load.py::test_a_rank_loads_its_experts_and_refuses_tokens_for_the_"
             "others[copied-per-expert]",
             "tests/test_load.py::test_a_predicate_takes_any_subset_and_the_fused_layout_too[k2]")),
-    Mutant("span-chain-bound-of-the-first-chain", "exactness.kernels.native:span_scales",
+    Mutant("span-chain-bound-of-the-first-chain", at(native.span_scales),
            "chains[0] + chains[1], torch.maximum(*chains)", "chains[0] + chains[1], chains[0]",
            "an unshifted block certified on one of its two chains: the other wraps",
            (SPANS_CHAIN + "[one-step-past-k1-k3]",)),  # weak by design: the other three pass
-    Mutant("nibble-layout-past-four-bits", "exactness.kernels.native:NativeWeights.__init__",
+    Mutant("nibble-layout-past-four-bits", at(native.NativeWeights.__init__),
            "q8.max() <= 7", "q8.max() <= 8",
            "the C kernel's nibble layout taken for weights one past 4 bits: an 8 spills into "
            "its neighbour's nibble",
@@ -857,7 +882,7 @@ CATALOGUE = (
            "const Layer *L = gr->layers[e * (gr->parts - 1) + p];",
            "the expert stride of the table of (expert, part) layers off by one",
            (grouped("vnni-grouped"), moe_block("cpu"))),
-    Mutant("grouped-blocks-of-the-neighbouring-expert", "exactness.kernels.triton_grouped:blocks",
+    Mutant("grouped-blocks-of-the-neighbouring-expert", triton_at(triton_grouped, "blocks"),
            "torch.searchsorted(ends, block, right=True)",
            "torch.searchsorted(ends, block, right=False)",
            "the GPU schedule's block of an expert's rows given the expert before it: its rows "
@@ -872,7 +897,7 @@ CATALOGUE = (
            "entry = table_ptr + (expert * (PARTS - 1) + part) * 4",
            "the expert stride of the GPU's table of layers off by one: another expert's (or "
            "part's) weights", (grouped("triton-grouped"), moe_block("triton"))),
-    Mutant("grouped-row-sent-to-the-wrong-token", "exactness.moe:weighted_sum",
+    Mutant("grouped-row-sent-to-the-wrong-token", at(moe.weighted_sum),
            "row_of[routing.pair] = torch.arange(pairs, device=rows.device)",
            "row_of = routing.pair.clone()",
            "the routing's permutation taken for its inverse: a row's result summed into the "

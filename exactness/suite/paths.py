@@ -96,7 +96,7 @@ def _c_builds() -> tuple[CBuild, CBuild]:
     from ..kernels import amx, native
 
     return (CBuild("the C kernel", "EXACTNESS_NATIVE", native.MODES, native.mode,
-                   native._missing_features),
+                   native.missing_features),
             CBuild("the AMX kernel's tiles", "EXACTNESS_AMX", amx.MODES, amx.mode,
                    amx.missing_features))
 

@@ -31,7 +31,7 @@ def float_dot(a_ptr, b_ptr, c_ptr):
 TYPES = {"a_ptr": "*i8", "b_ptr": "*i8", "c_ptr": "*i32"}
 
 if __name__ == "__main__":
-    from exactness.kernels.triton_aot import compile_kernel
+    from exactness.suite.triton_aot import compile_kernel
 
     print(json.dumps([asdict(compile_kernel(fn, TYPES, {}, int(sys.argv[1]), needs_int_mma=True))
                       for fn in (short_int8_dot, float_dot)]))

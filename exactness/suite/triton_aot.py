@@ -12,7 +12,7 @@ the layer's launches; `--aligned` compiles them as launched at Kimi's shapes, wh
 specializes on 16-divisible arguments (the counts docs/PERFORMANCE.md gives).
 
 The interpreter replaces the kernels, so this runs in a process without TRITON_INTERPRET:
-    python -m exactness.kernels.triton_aot [--arch 80 90] [--quick | --tiles] [--aligned] [--json]
+    python -m exactness.suite.triton_aot [--arch 80 90] [--quick | --tiles] [--aligned] [--json]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from dataclasses import asdict, dataclass, field
 
 from .. import dataflow
 from ..contract import FORMATS
-from . import triton_exact, triton_grouped
+from ..kernels import triton_exact, triton_grouped
 
 ARCHS = (80, 90)  # A100, H100/H200
 # an int8 x int8 -> int32 tensor-core MMA: mma.sync (sm_80 on), or Hopper's warpgroup wgmma,
@@ -266,7 +266,7 @@ def mma_name(instruction: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m exactness.kernels.triton_aot",
+    parser = argparse.ArgumentParser(prog="python -m exactness.suite.triton_aot",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--arch", type=int, nargs="+", default=list(ARCHS),
