@@ -16,7 +16,7 @@ CRASHES = {
 }
 HANG = "for (volatile int forever = 1; forever;) {}"
 
-# cpu_vnni.c's entry points (native._load binds each): the quantization's first pass, the first
+# cpu_vnni.c's entry points (native.SIGNATURES binds each): the quantization's first pass, the first
 # the self-check calls, holds the planted statement
 ENTRY_POINTS = ("exact_linear_vnni", "exact_linear_spans", "quantize_limbs", "round_rows",
                 "exact_grouped")

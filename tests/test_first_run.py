@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from exactness import ExactLinear
-from exactness.kernels import KernelUnavailableError, amx, first_run, native, registry
+from exactness.kernels import KernelUnavailableError, amx, first_run, native, registry, toolchain
 from tests.crashing_kernels import CRASHES, HANG, planted, stub
 
 pytestmark = pytest.mark.stage("reliability")  # make verify's stage
@@ -86,7 +86,7 @@ def test_the_verdict_is_cached_by_build_and_cpu_so_the_child_runs_once(fresh, mo
 
     monkeypatch.setattr(subprocess, "run", no_child)
     assert native.judged(lib) == first  # the same build on the same CPU: from the cache
-    monkeypatch.setattr(native, "machine", lambda: "another cpu")
+    monkeypatch.setattr(toolchain, "machine", lambda: "another cpu")
     with pytest.raises(AssertionError, match="a second child ran"):
         native.judged(lib)  # another CPU's flags: judged afresh
 
@@ -136,7 +136,7 @@ def test_real_tiles_run_without_the_tile_state_die_in_the_child_not_here(monkeyp
     assert lib is not None, why.why
     outcome = first_run.run(lib.exactness_file, lib.exactness_digest,
                             "tests.crashing_kernels:tiles_without_the_tile_state",
-                            "the AMX kernel (real tiles)", native.machine())
+                            "the AMX kernel (real tiles)", toolchain.machine())
     if outcome.died or amx.missing_features() or native.missing_features():
         assert outcome.died and "died of SIGILL (an illegal instruction)" in outcome.verdict.why
         assert "the AMX kernel (real tiles)" in outcome.verdict.why

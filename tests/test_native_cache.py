@@ -12,7 +12,7 @@ import threading
 
 import pytest
 
-from exactness.kernels import native
+from exactness.kernels import native, toolchain
 
 pytestmark = pytest.mark.stage("reliability")  # make verify's stage
 
@@ -34,7 +34,7 @@ def cache(tmp_path, monkeypatch):
 def cached_name(cache, source: str):
     """Where build keeps `source`'s library: named by the hash of the source and the flags."""
     compiled, flags, _ = native.as_compiled(source)
-    return cache / f"cpu_vnni-{native.cache_key(compiled, flags)}.so"
+    return cache / f"cpu_vnni-{toolchain.cache_key(compiled, flags)}.so"
 
 
 def compile_to(path, source: str) -> None:

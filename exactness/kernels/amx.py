@@ -26,7 +26,7 @@ import torch
 from .. import dataflow
 from ..contract import FloatFormat, act_qmax, float_format
 from ..formats import check_finite, float_bits, torch_dtype
-from . import native
+from . import native, toolchain
 from .registry import Fit, Weights, int8_limbs_hold, no, warn_fallback, yes
 
 SOURCE = native.CSRC / "cpu_amx.c"
@@ -41,12 +41,12 @@ MIN_ROWS: int | None = None
 
 def mode() -> str:
     """EXACTNESS_AMX: "1" (the default), "0" or "emulate"; ContractValueError for anything else."""
-    return native.switch("EXACTNESS_AMX", MODES)
+    return toolchain.switch("EXACTNESS_AMX", MODES)
 
 
 def missing_features() -> list[str]:
     """The AMX features /proc/cpuinfo does not list ([] on an AMX machine)."""
-    return native.cpu_lacks(NEEDS)
+    return toolchain.cpu_lacks(NEEDS)
 
 
 def source(emulated: bool, amx_source: str | None = None) -> str:
@@ -65,7 +65,7 @@ def build(amx_source: str | None = None) -> tuple[ctypes.CDLL | None, Fit]:
 
 
 def bind(lib):
-    """`lib` with the AMX entry points' signatures set (cpu_vnni.c's are native._load's)."""
+    """`lib` with the AMX entry points' signatures set (cpu_vnni.c's are native.SIGNATURES)."""
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.amx_tiles.argtypes = [ptr, ptr, i64, i32, ptr, ptr, ptr, i32, i32]
     lib.exact_linear_amx.argtypes = [ptr, ptr, i32, i32, i32, i64, i32, i64, ptr, i32, i32]

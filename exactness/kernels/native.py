@@ -15,16 +15,8 @@ tests.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import fcntl
 import functools
-import hashlib
-import os
-import stat
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
@@ -40,7 +32,7 @@ from ..contract import (
 )
 from ..formats import check_finite, float_bits, torch_dtype
 from ..quantize import quantize_activations
-from . import first_run
+from . import first_run, toolchain
 from .registry import (
     Fit,
     Weights,
@@ -64,54 +56,31 @@ FORMAT_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}  # cpu_vnni.c's load1
 SPAN_MIN_ROWS = 24  # from here on the span kernel is faster (measured: docs/PERFORMANCE.md)
 # lane 2i of a 16-lane block holds weight row i, lane 2i + 1 row 8 + i (cpu_vnni.c's layout)
 LANE_ROWS = [row for i in range(8) for row in (i, 8 + i)]
-
-
-@functools.cache
-def _cpu_flags() -> frozenset[str] | None:
-    """The CPU's feature flags, its first `flags` line in /proc/cpuinfo, read once (None:
-    unreadable)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return None
-    flags = next((line.partition(":")[2] for line in lines if line.startswith("flags")), "")
-    return frozenset(flags.split())
-
-
-def machine() -> str:
-    """The CPU's flags, sorted: what a first run's cached verdict holds for (first_run.run)."""
-    return " ".join(sorted(_cpu_flags() or ()))
-
-
-def cpu_lacks(needs) -> list[str]:
-    """The features of `needs` the CPU does not list (the C kernels' and the AMX kernel's)."""
-    flags = _cpu_flags()
-    if flags is None:
-        return ["/proc/cpuinfo (unreadable)"]
-    return [f for f in needs if f not in flags]
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+SIGNATURES = {  # cpu_vnni.c's entry points: (argument types, result type)
+    "exact_linear_vnni": ([_P] * 5 + [_I64] * 3 + [_I32] * 2 + [_P] * 3 + [_I64] + [_I32] * 2,
+                          None),
+    "exact_linear_spans": ([_P] * 7 + [_I64] * 3 + [_P] * 3 + [_I64] + [_I32] * 2, None),
+    "row_exponents": ([_P, _I32, _I32, _I64, _I64, _I64, _P], _I64),
+    "quantize_limbs": ([_P, _I32, _I64, _I64, _P, _P, _I32], None),
+    "round_rows": ([_P, _I64, _P, _P, _I64, _I64, _I32, _I32, _P], None),
+    "exact_grouped": ([_P, _P, _I32, _I32, _I32, _I64, _I32, _I64, _P, _I32, _I32, _P, _I64],
+                      _I64),
+}
 
 
 def missing_features() -> list[str]:
-    return cpu_lacks(NEEDS)
+    return toolchain.cpu_lacks(NEEDS)
 
 
 def _cpu_has_vnni() -> bool:
     return not missing_features()
 
 
-def switch(variable: str, modes: dict) -> str:
-    """The environment `variable`'s mode, one of `modes` ("1" where unset); ContractValueError
-    for anything else (EXACTNESS_NATIVE's and EXACTNESS_AMX's)."""
-    value = os.environ.get(variable, "1")
-    if value not in modes:
-        raise ContractValueError(f"{variable} must be one of {', '.join(modes)}, got {value!r}")
-    return value
-
-
 def mode() -> str:
     """EXACTNESS_NATIVE: "1" (the default: the real instructions where the CPU has them), "0"
     (off) or "emulate" (avx512_emulated.h); ContractValueError for anything else."""
-    return switch("EXACTNESS_NATIVE", MODES)
+    return toolchain.switch("EXACTNESS_NATIVE", MODES)
 
 
 def emulated() -> bool:
@@ -140,7 +109,8 @@ def judged(lib, check: str = "exactness.kernels.native:check_file",
     """The library's first run, its self-check (`check`, run on its file), in a child process:
     the verdict, or why the child gave none (first_run.py). The library runs here only after."""
     build = build or f"the C kernel ({MODES[mode()]})"
-    return first_run.run(lib.exactness_file, lib.exactness_digest, check, build, machine())
+    return first_run.run(lib.exactness_file, lib.exactness_digest, check, build,
+                         toolchain.machine())
 
 
 def check_file(file: Path, digest: str) -> Fit:
@@ -153,13 +123,7 @@ def check_file(file: Path, digest: str) -> Fit:
 def load_file(file: Path, digest: str) -> tuple[ctypes.CDLL | None, Fit]:
     """The compiled library at `file`, loaded if its bytes match `digest` (a child's view of a
     build; build() binds it the same way)."""
-    try:
-        data = file.read_bytes()
-    except OSError as e:
-        return None, no(f"the compiled library cannot be read: {e}")
-    if hashlib.sha256(data).hexdigest() != digest:
-        return None, no(f"{file.name} changed after its build (its digest differs)")
-    return _load(data, file.parent)
+    return toolchain.load_file(file, digest, SIGNATURES)
 
 
 def library():
@@ -179,36 +143,13 @@ def load(source: str, check: bool = True):
 
 
 def build(source: str, extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, Fit]:
-    """`source` compiled with the system compiler (cached by its hash), with `extra_flags` too
-    (amx.py's), and loaded, or None and why not. Never raises: every refusal says why in the Fit.
-
-    The cache promises: a directory of this user alone (cache_dir), temporary files of
-    unpredictable names, one compile at a time (_locked), and a library loaded only when its
-    bytes match the digest recorded when it was built (_verified); a cached library that fails
-    the digest or does not load is rebuilt once, then refused."""
+    """`source` (cpu_vnni.c, or amx.py's build of it) compiled as this kernel compiles it
+    (as_compiled), with `extra_flags` too, through the toolchain's cache, and loaded with the
+    entry points' signatures set; or None and why not. Never raises."""
     source, flags, why = as_compiled(source)
     if source is None:
         return None, why
-    flags = [*flags, *extra_flags]
-    key = cache_key(source, flags)
-    cache, why = cache_dir()
-    if cache is None:
-        return None, why
-    so = cache / f"cpu_vnni-{key}.so"
-    try:
-        with _locked(so.with_suffix(".lock")):
-            data = _verified(so)
-            lib = None
-            if data is not None:
-                lib, why = _load(data, cache)
-            if lib is None:  # none cached, a mismatch, or it does not load
-                data, why = _compile(source, so, flags)
-                lib, why = _load(data, cache) if data is not None else (None, why)
-    except OSError as e:  # the lock file or the private copy: the cache cannot be written
-        return None, no(f"no writable cache ({cache}): {e}")
-    if lib is not None:  # what first_run's child loads: this file, these bytes
-        lib.exactness_file, lib.exactness_digest = so, hashlib.sha256(data).hexdigest()
-    return lib, why
+    return toolchain.build(source, [*flags, *extra_flags], SOURCE.name, SIGNATURES)
 
 
 def as_compiled(source: str) -> tuple[str | None, list[str], Fit]:
@@ -222,130 +163,6 @@ def as_compiled(source: str) -> tuple[str | None, list[str], Fit]:
         return None, [], no("EXACTNESS_NATIVE=emulate needs SIMDe's headers: pip install simde-py")
     return (source.replace("#include <immintrin.h>", EMULATION.read_text(), 1),
             [*EMULATED_FLAGS, f"-I{simde_py.get_include()}"], yes("emulated AVX-512"))
-
-
-def compiler() -> str:
-    """The C compiler: $CC, else cc."""
-    return os.environ.get("CC", "cc")
-
-
-def cache_key(source: str, flags: list[str]) -> str:
-    """The cached library's name: the hash of what was compiled, and how (by which compiler)."""
-    return hashlib.sha256((source + " ".join([compiler(), *flags])).encode()).hexdigest()[:16]
-
-
-def cache_dir() -> tuple[Path | None, Fit]:
-    """The compiled kernels' directory, $XDG_CACHE_HOME/exactness (or ~/.cache/exactness),
-    created 0700; refused if another user owns it or group or others may write to it (they could
-    plant a library there that this process would run)."""
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "exactness"
-    try:
-        cache.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-        cache.mkdir(mode=0o700, exist_ok=True)
-        st = cache.stat()
-    except OSError as e:
-        return None, no(f"no writable cache ({cache}): {e}")
-    if st.st_uid != os.getuid():
-        return None, no(f"an unsafe cache: {cache} is owned by uid {st.st_uid}, not this user "
-                        f"(uid {os.getuid()})")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        return None, no(f"an unsafe cache: {cache} is writable by group or others (mode "
-                        f"{stat.S_IMODE(st.st_mode):o}; chmod 700 it)")
-    return cache, yes("a private cache")
-
-
-_BUILDING = threading.Lock()  # flock orders processes; this, the threads of one (and _LOADED)
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    """One build of a library at a time: a lock within the process, a file lock (`path`, beside
-    the library, never followed if a link) across processes."""
-    with _BUILDING:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX)
-            yield
-        finally:
-            os.close(fd)  # and the file lock with it
-
-
-def _digest_of(so: Path) -> Path:
-    return so.with_name(so.name + ".sha256")
-
-
-def _verified(so: Path) -> bytes | None:
-    """The cached library's bytes if they match the digest recorded when it was built; None if
-    there is none, or no digest, or they differ (a killed compile, a full disk, a foreign file)."""
-    try:
-        data, want = so.read_bytes(), _digest_of(so).read_text().strip()
-    except OSError:
-        return None
-    return data if hashlib.sha256(data).hexdigest() == want else None
-
-
-def _compile(source: str, so: Path, flags: list[str]) -> tuple[bytes | None, Fit]:
-    """`source` compiled in a fresh private directory (mkdtemp: no name to plant a link at), then
-    renamed to `so` and its digest beside it (renames are atomic; a crash between them leaves a
-    mismatch, so a rebuild); the library's bytes, or None and why."""
-    cc = compiler()
-    try:
-        with tempfile.TemporaryDirectory(dir=so.parent) as work:
-            src, out, digest = (Path(work, name) for name in ("cpu_vnni.c", "lib.so", "sha256"))
-            src.write_text(source)
-            subprocess.run([cc, *flags, str(src), "-o", str(out)],
-                           check=True, capture_output=True, timeout=120)
-            data = out.read_bytes()
-            digest.write_text(hashlib.sha256(data).hexdigest())
-            os.replace(out, so)
-            os.replace(digest, _digest_of(so))
-    except subprocess.CalledProcessError as e:
-        return None, no(f"{cc} failed on cpu_vnni.c: "
-                        f"{e.stderr.decode(errors='replace').strip()[-300:]}")
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, no(f"no C compiler or no writable cache ({cc}, {so.parent}): {e}")
-    return data, yes("compiled")
-
-
-_LOADED: dict[str, ctypes.CDLL] = {}  # by the sha256 of the bytes: each library loaded once
-
-
-def _load(data: bytes, cache: Path) -> tuple[ctypes.CDLL | None, Fit]:
-    """The verified bytes `data` loaded, with the entry points' signatures set; None and why if
-    they do not load. They load from a private copy (mkstemp in the cache), so the file loaded
-    is the bytes checked, not whatever is at the cache's name by then; the copy is removed once
-    loaded (the mapping keeps it)."""
-    digest = hashlib.sha256(data).hexdigest()
-    if digest in _LOADED:
-        return _LOADED[digest], yes("compiled")
-    fd, copy = tempfile.mkstemp(suffix=".so", dir=cache)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        lib = ctypes.CDLL(copy)
-    except OSError as e:
-        return None, no(f"the compiled library does not load: {e}")
-    finally:
-        with contextlib.suppress(OSError):
-            os.unlink(copy)
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    signatures = {
-        "exact_linear_vnni": [ptr] * 5 + [i64] * 3 + [i32] * 2 + [ptr] * 3 + [i64] + [i32] * 2,
-        "exact_linear_spans": [ptr] * 7 + [i64] * 3 + [ptr] * 3 + [i64] + [i32] * 2,
-        "row_exponents": [ptr, i32, i32, i64, i64, i64, ptr],
-        "quantize_limbs": [ptr, i32, i64, i64, ptr, ptr, i32],
-        "round_rows": [ptr, i64, ptr, ptr, i64, i64, i32, i32, ptr],
-        "exact_grouped": [ptr, ptr, i32, i32, i32, i64, i32, i64, ptr, i32, i32, ptr, i64],
-    }
-    try:
-        for name, argtypes in signatures.items():
-            counts = name in ("row_exponents", "exact_grouped")
-            getattr(lib, name).restype = ctypes.c_int64 if counts else None
-            getattr(lib, name).argtypes = argtypes
-    except AttributeError as e:
-        return None, no(f"the compiled library lacks an entry point: {e}")
-    _LOADED[digest] = lib
-    return lib, yes("compiled")
 
 
 class Layer(ctypes.Structure):
