@@ -31,13 +31,15 @@ from .kimi import (
     ExactExperts,
     KimiCheckpoint,
     KimiCheckpointError,
-    KimiConversionError,
+    by_projection,
+    check_mmap_device,
     install,
     is_fused_experts,
-    load_routed,
     local_experts,
     make_remote,
+    register_experts,
     replace_module,
+    routed_reads,
 )
 from .modules import PackedInt4Linear
 
@@ -72,9 +74,7 @@ def from_pretrained(path: str | Path, act_bits: int = DEFAULT_ACT_BITS, *, devic
         prefix = K25_TEXT if checkpoint.raw_config.get("model_type") == "kimi_k25" else ""
         config = text_config(checkpoint.raw_config, str(checkpoint.dir / "config.json"))
         local = local_experts(experts, rank, world, checkpoint.config.n_routed_experts)
-        if mmap and torch.device(device).type != "cpu":
-            raise KimiConversionError(f"mmap=True maps the shards into host memory: it loads "
-                                      f"onto the CPU, not {device}")
+        check_mmap_device(mmap, device)
         with torch.device("meta"):
             model = DeepseekV3ForCausalLM(config).to(dtype)
         routed, parents, remote = {}, {}, []
@@ -82,10 +82,7 @@ def from_pretrained(path: str | Path, act_bits: int = DEFAULT_ACT_BITS, *, devic
             if is_fused_experts(module):
                 new = ExactExperts.like(module, act_bits, device="meta")
                 replace_module(model, name, new)
-                for e, expert in enumerate(new):
-                    parents[f"{name}.{e}"] = expert
-                    for proj in ("gate", "up", "down"):
-                        routed[f"{name}.{e}.{proj}_proj"] = getattr(expert, f"{proj}_proj")
+                register_experts(name, new, parents, routed)
         if local is not None:
             remote = make_remote(routed, local, parents, {})
         state, skipped = _read_state(model, checkpoint, prefix, routed, remote, device, mmap,
@@ -103,11 +100,11 @@ def from_pretrained(path: str | Path, act_bits: int = DEFAULT_ACT_BITS, *, devic
 def _read_state(model: nn.Module, checkpoint: KimiCheckpoint, prefix: str,
                 routed: dict[str, PackedInt4Linear], remote: list[str], device, mmap: bool,
                 progress: bool | None) -> tuple[dict, list[str]]:
-    """Every persistent tensor of `model` from the checkpoint: {projection: its three tensors}
-    for the `routed` layers (kimi.load_routed), {key: tensor} for the rest, each checked
-    against its header before any is read. And the checkpoint's names outside `prefix` (K2.5's
-    vision tower). Raises for a tensor missing or left over (those of `remote` experts are
-    left on disk on purpose)."""
+    """Every persistent tensor of `model` from the checkpoint, in one stream: {projection: its
+    three tensors} for the `routed` layers (kimi.routed_reads), {key: tensor} for the rest, each
+    checked against its header before any is read. And the checkpoint's names outside `prefix`
+    (K2.5's vision tower). Raises for a tensor missing or left over (those of `remote` experts
+    are left on disk on purpose)."""
     wanted = {}
     for name, tensor in model.state_dict().items():
         module, _, key = name.rpartition(".")
@@ -134,10 +131,13 @@ def _read_state(model: nn.Module, checkpoint: KimiCheckpoint, prefix: str,
     if left:
         raise KimiCheckpointError(f"{checkpoint.index_file}: {len(left)} tensors no module of "
                                   f"the model takes, e.g. {left[:3]}")
-    state = load_routed(checkpoint, {prefix + n: layer for n, layer in routed.items()}, device,
-                        mmap, progress)
-    state = {name.removeprefix(prefix): tensors for name, tensors in state.items()}
-    state.update(checkpoint.stream(wanted, device=device, mapped=mmap, progress=progress))
+    reads, check = routed_reads(checkpoint, {prefix + n: layer for n, layer in routed.items()})
+    tensors = checkpoint.stream({**reads, **wanted}, device=device, mapped=mmap,
+                                progress=progress,
+                                check=lambda key, t: check(key, t) if key in reads else None)
+    state = {name.removeprefix(prefix): three for name, three in by_projection(
+        {key: tensors.pop(key) for key in reads}).items()}
+    state.update(tensors)
     return state, sorted(n for n in checkpoint.weight_map if not n.startswith(prefix))
 
 

@@ -558,9 +558,9 @@ class KimiCheckpoint:
         shard, each shard's mapping dropped after its last tensor (unless `mapped`), so what
         the process holds beyond the tensors returned is one shard's pages at most.
         `check(key, tensor)` sees each tensor as stored before it is copied."""
-        order = sorted(wanted, key=lambda k: (self.weight_map[wanted[k]],
-                                              self.entry(wanted[k])[1].begin))
-        total = sum(e.end - e.begin for e in (self.entry(wanted[k])[1] for k in order))
+        entries = {k: self.entry(name)[1] for k, name in wanted.items()}
+        order = sorted(wanted, key=lambda k: (self.weight_map[wanted[k]], entries[k].begin))
+        total = sum(e.end - e.begin for e in entries.values())
         bar = progress_bar(total, progress)
         out = {}
         try:
@@ -841,11 +841,8 @@ def _stage(model: nn.Module, checkpoint: KimiCheckpoint | None, act_bits: int,
     fused = [(name, m) for name, m in model.named_modules() if is_fused_experts(m)]
     for name, module in fused:  # transformers' experts: one exact module, 3 layers an expert
         at = "meta" if checkpoint is not None else module.gate_up_proj.device  # (assigned)
-        replacements[name] = new = ExactExperts.like(module, act_bits, at)
-        for e, expert in enumerate(new):
-            parents[f"{name}.{e}"] = expert
-            for proj in ("gate", "up", "down"):
-                targets[f"{name}.{e}.{proj}_proj"] = getattr(expert, f"{proj}_proj")
+        replacements[name] = ExactExperts.like(module, act_bits, at)
+        register_experts(name, replacements[name], parents, targets)
     for name, module in model.named_modules():
         if ROUTED.match(name) and isinstance(module, nn.Linear | PackedInt4Linear):
             if isinstance(module, nn.Linear) and module.bias is not None:
@@ -885,15 +882,22 @@ def load_routed(checkpoint: KimiCheckpoint, targets: dict[str, PackedInt4Linear]
     """{projection: its three tensors} for `targets` {the checkpoint's module name: the layer
     to hold them}: every header checked first, then streamed (KimiCheckpoint.stream), each
     tensor's values checked as it is read. `device` None: the first layer's (meta: the CPU)."""
-    for name, layer in targets.items():  # all header checks before the first byte is read
-        checkpoint.check_packed(layer, name)
+    wanted, check = routed_reads(checkpoint, targets)
     if device is None:
         first = next(iter(targets.values()), None)
         device = first.weight_packed.device if first is not None else "cpu"
         device = "cpu" if torch.device(device).type == "meta" else device
-    if mmap and torch.device(device).type != "cpu":
-        raise KimiConversionError(f"mmap=True maps the shards into host memory: it loads onto "
-                                  f"the CPU, not {device}")
+    check_mmap_device(mmap, device)
+    return by_projection(checkpoint.stream(wanted, device=device, mapped=mmap, check=check,
+                                           progress=progress))
+
+
+def routed_reads(checkpoint: KimiCheckpoint, targets: dict[str, PackedInt4Linear]):
+    """What streaming `targets`' tensors takes ({the checkpoint's module name: the layer to hold
+    them}), every header checked first: {(name, buffer): the checkpoint's name}, and the check
+    of each one's values as it is read, check((name, buffer), tensor)."""
+    for name, layer in targets.items():  # all header checks before the first byte is read
+        checkpoint.check_packed(layer, name)
     wanted = {(name, key): checkpoint.name_for(name, key) for name in targets
               for key in PACKED_KEYS}
 
@@ -901,8 +905,29 @@ def load_routed(checkpoint: KimiCheckpoint, targets: dict[str, PackedInt4Linear]
         name, buffer = key
         checkpoint.check_values(targets[name], name, buffer, tensor)
 
-    loaded: dict[str, dict[str, torch.Tensor]] = {}
-    for (name, key), tensor in checkpoint.stream(wanted, device=device, mapped=mmap, check=check,
-                                                 progress=progress).items():
-        loaded.setdefault(name, {})[key] = tensor
-    return loaded
+    return wanted, check
+
+
+def by_projection(tensors: dict) -> dict[str, dict[str, torch.Tensor]]:
+    """{(name, buffer): tensor} as {name: {buffer: tensor}}."""
+    grouped: dict[str, dict[str, torch.Tensor]] = {}
+    for (name, buffer), tensor in tensors.items():
+        grouped.setdefault(name, {})[buffer] = tensor
+    return grouped
+
+
+def check_mmap_device(mmap: bool, device) -> None:
+    """mmap=True maps the shards into this process: the tensors stay on the CPU."""
+    if mmap and torch.device(device).type != "cpu":
+        raise KimiConversionError(f"mmap=True maps the shards into host memory: it loads onto "
+                                  f"the CPU, not {device}")
+
+
+def register_experts(name: str, experts: ExactExperts, parents: dict[str, nn.Module],
+                     targets: dict[str, PackedInt4Linear]) -> None:
+    """The new `experts`, to be named `name`: each expert into `parents` and each projection
+    into `targets`, by the names they will have in the model."""
+    for e, expert in enumerate(experts):
+        parents[f"{name}.{e}"] = expert
+        for proj in ("gate", "up", "down"):
+            targets[f"{name}.{e}.{proj}_proj"] = getattr(expert, f"{proj}_proj")

@@ -816,7 +816,7 @@ CATALOGUE = (
                          "setting[None-8]",
                          "tests/test_kimi.py::test_every_conversion_option_computes_at_its_"
                          "setting[4-4]")),
-    Mutant("converter-checks-only-the-first-projection", at(kimi.load_routed),
+    Mutant("converter-checks-only-the-first-projection", at(kimi.routed_reads),
            "for name, layer in targets.items():  # all header checks before the first byte",
            "for name, layer in list(targets.items())[:1]:  # all header checks before the "
            "first byte",
@@ -826,7 +826,7 @@ CATALOGUE = (
             "[packed-too-short]",
             "tests/test_kimi.py::test_bad_tensors_name_the_tensor_and_the_file[packed-int64]")),
     # --- the streamed loader (issue 42)
-    Mutant("loader-values-unchecked", at(kimi.load_routed),
+    Mutant("loader-values-unchecked", at(kimi.routed_reads),
            "checkpoint.check_values(targets[name], name, buffer, tensor)", "pass",
            "the streamed tensors' values never checked: a non-finite scale loads silently",
            ("tests/test_load.py::test_a_failure_midway_through_the_stream_leaves_the_model_"
