@@ -51,10 +51,10 @@ def config(experts: int) -> dict:
 
 def write(directory: Path, experts: int) -> Path:
     """The checkpoint: random packed words, scales over two binades, the rest random bf16."""
-    from safetensors.torch import save_file
-    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    from transformers import DeepseekV3ForCausalLM
 
     from exactness.hf import text_config
+    from tests.shards import write_shards
 
     if (directory / "config.json").is_file():
         return directory
@@ -73,17 +73,10 @@ def write(directory: Path, experts: int) -> Path:
     cfg = config(experts)
     with torch.device("meta"):
         model = DeepseekV3ForCausalLM(text_config(cfg, "bench"))
-    assert isinstance(model.config, DeepseekV3Config)
     for name, t in model.state_dict().items():
         if ".mlp.experts." not in name:
             tensors[name] = (torch.randn(t.shape, generator=g) * 0.02).bfloat16()
-    names, weight_map = sorted(tensors), {}
-    for s in range(SHARDS):
-        file = f"model-{s + 1:05d}-of-{SHARDS:05d}.safetensors"
-        save_file({n: tensors[n] for n in names[s::SHARDS]}, str(directory / file))
-        weight_map.update(dict.fromkeys(names[s::SHARDS], file))
-    (directory / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    write_shards(directory, tensors, SHARDS)
     (directory / "config.json").write_text(json.dumps(cfg))
     return directory
 

@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
 from tests.kimi_checkpoints import QUANT_CONFIG, compressed
+from tests.shards import write_shards
 
 TINY = dict(vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
             num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
@@ -61,13 +61,7 @@ def write(directory: Path, model: DeepseekV3ForCausalLM, *, k25: bool = False,
     directory.mkdir(parents=True, exist_ok=True)
     prefix = "language_model." if k25 else ""
     tensors = {prefix + n: t for n, t in checkpoint_tensors(model).items()} | (extra or {})
-    names, weight_map = sorted(tensors), {}
-    for s in range(shards):
-        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({n: tensors[n] for n in names[s::shards]}, str(directory / file))
-        weight_map.update(dict.fromkeys(names[s::shards], file))
-    (directory / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map}))
+    write_shards(directory, tensors, shards)
     text = {**TINY, "quantization_config": QUANT_CONFIG}
     config = ({"model_type": "kimi_k25", "text_config": {"model_type": "deepseek_v3", **text}}
               if k25 else {"model_type": "kimi_k2", **text})

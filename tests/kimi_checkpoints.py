@@ -12,6 +12,8 @@ from compressed_tensors.compressors.pack_quantized.base import PackedQuantizatio
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from safetensors.torch import save_file
 
+from tests.shards import write_shards
+
 SCHEME = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
     num_bits=4, type="int", symmetric=True, strategy="group", group_size=32))
 QUANT_CONFIG = {
@@ -59,19 +61,10 @@ def write_checkpoint(directory: Path, *, hidden: int = 64, inter: int = 32,
                                  ("down", (hidden, inter))):
                 tensors[f"{prefix}model.layers.{layer}.mlp.shared_experts.{proj}_proj.weight"] = (
                     torch.randn(n, k, generator=g) * 0.02).bfloat16()
-    names = sorted(tensors)
     if single_file:
         save_file(tensors, str(directory / "model.safetensors"))
-        shards = 0
-    weight_map = {}
-    for s in range(shards):
-        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        part = names[s::shards]
-        save_file({n: tensors[n] for n in part}, str(directory / file))
-        weight_map.update({n: file for n in part})
-    if not single_file:
-        (directory / "model.safetensors.index.json").write_text(
-            json.dumps({"metadata": {}, "weight_map": weight_map}))
+    else:
+        write_shards(directory, tensors, shards)
     text = {"hidden_size": hidden, "moe_intermediate_size": inter, "intermediate_size": 2 * hidden,
             "n_routed_experts": max(e for ex in layers.values() for e in ex) + 1,
             "num_experts_per_tok": 2, "num_hidden_layers": max(layers) + 1,
