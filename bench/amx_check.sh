@@ -25,8 +25,8 @@ fi
     $PY -c "import torch, numpy, triton; print('torch', torch.__version__, 'numpy',
                 numpy.__version__, 'triton', triton.__version__)"
     # each C build's first run, in a child process: its verdict, or the signal that killed it
-    time timeout 300 $PY -c "from exactness.kernels import amx, native
-print('vnni:', native.status()[1].why); print('amx:', amx.status()[1].why)"
+    time timeout 300 $PY -c "from exactness.kernels.cpu import amx_library, vnni_library
+print("vnni:", vnni_library.status()[1].why); print("amx:", amx_library.status()[1].why)"
 } > "$OUT/env.txt" 2>&1
 pin=""
 if taskset -c 0,1 true 2>/dev/null; then pin="taskset -c 0,1"; fi

@@ -129,10 +129,10 @@ def amx_table(args) -> list[str]:
     """The AMX kernel beside both VNNI kernels (the span kernel at 16-bit activations) and bf16,
     on a machine with AMX (the plan's choice between them: amx.MIN_ROWS); elsewhere one line
     saying why there are no rows."""
-    from exactness.kernels import amx
+    from exactness.kernels.cpu import amx_library
 
-    lib, why = amx.status()
-    if lib is None or amx.mode() != "1":
+    lib, why = amx_library.status()
+    if lib is None or amx_library.mode() != "1":
         return [f"AMX: no rows here ({why.why}). make verify checks the emulated kernel's bits."]
     lines = [f"AMX: {torch.get_num_threads()} threads, median of {args.repeats}, scales over "
              f"{args.binades} binades per row", "",

@@ -1,7 +1,7 @@
 """GPU check, in one run: bit-exactness of the Triton kernel on CUDA against the reference, the
 refusal of a non-finite x (the kernel's row flags, read back by the layer), then kernel vs torch
 bf16 matmul timings (CUDA events, median), as ratios, with the forward's two GPU paths side by
-side (the group kernel; linear_folded, taken from triton_exact.FOLDED_MIN_ROWS rows), each
+side (the group kernel; linear_folded, taken from triton_layer.FOLDED_MIN_ROWS rows), each
 also replayed from a CUDA graph (the device's time without the host's launches), then the
 quantization alone and the group kernel's other tiles and warp counts at M = 1, 16, 128 and 4096
 (same bits, their times), so that one run on a lent GPU also says which launch and crossover to
@@ -20,7 +20,10 @@ import torch
 
 from exactness.contract import BFLOAT16
 from exactness.formats import pack_weights
-from exactness.kernels import triton_exact
+from exactness.kernels.triton import folded as triton_folded
+from exactness.kernels.triton import group as triton_group
+from exactness.kernels.triton import layer as triton_layer
+from exactness.kernels.triton import quantize as triton_quantize
 from exactness.suite.cases import LinearCase, load_vectors
 from exactness.suite.paths import run
 
@@ -58,7 +61,7 @@ def graph_ms(fn, repeats=20, calls=20) -> float:
 def graphed(layer, x, w) -> str:
     """Table cells: the quantization, both paths (both_paths) and bf16, each under a CUDA graph."""
     try:
-        quantize = graph_ms(lambda: triton_exact.quantize(x, 16))
+        quantize = graph_ms(lambda: triton_quantize.quantize(x, 16))
         group, folded, _ = both_paths(layer, x, graph_ms)
         return f"{quantize:.3f} | {group} | {folded} | {graph_ms(lambda: x @ w.t()):.3f}"
     except Exception as error:  # say so, go on: the rest of the run still counts
@@ -99,7 +102,7 @@ def main() -> int:
     bad += not captured
     print(f"| shape | M | exact ms (layer) | bf16 ms | ratio bf16/exact (speed-up) | "
           f"group kernel ms (K split as k_slices says / whole) | folded ms "
-          f"(triton_exact.FOLDED_MIN_ROWS = {triton_exact.FOLDED_MIN_ROWS}) | "
+          f"(triton_layer.FOLDED_MIN_ROWS = {triton_layer.FOLDED_MIN_ROWS}) | "
           f"graphed: quantize ms | graphed: group ms | graphed: folded ms | graphed: bf16 ms |")
     for k, n in ((7168, 2048), (2048, 7168)):
         layer, w = kimi_on(k, n, "cuda")
@@ -238,20 +241,20 @@ def both_paths(layer, x, timer=None) -> tuple[str, str, bool]:
 
     timer = timer or cuda_ms
     cert = layer.certificate
-    limbs, e_r, _ = triton_exact.quantize(x, 16)
-    gpu = triton_exact.gpu_weights(layer.weights(), x.device)
+    limbs, e_r, _ = triton_quantize.quantize(x, 16)
+    gpu = triton_layer.gpu_weights(layer.weights(), x.device)
     args = (limbs, e_r, layer.weight_packed, *gpu, 4)
-    split = timer(lambda: triton_exact.linear(*args, torch.bfloat16))
-    whole = timer(lambda: triton_exact.linear(*args, torch.bfloat16, slices=1))
-    want = triton_exact.linear(*args, torch.bfloat16, slices=1).view(torch.int16)
-    same = bool((triton_exact.linear(*args, torch.bfloat16).view(torch.int16) == want).all())
+    split = timer(lambda: triton_group.linear(*args, torch.bfloat16))
+    whole = timer(lambda: triton_group.linear(*args, torch.bfloat16, slices=1))
+    want = triton_group.linear(*args, torch.bfloat16, slices=1).view(torch.int16)
+    same = bool((triton_group.linear(*args, torch.bfloat16).view(torch.int16) == want).all())
     group = f"{split:.3f} / {whole:.3f}"
-    if not triton_exact.folded_fits(x.shape[0], layer.out_features, layer.in_features):
+    if not triton_folded.folded_fits(x.shape[0], layer.out_features, layer.in_features):
         return group, "-", same
     digits = folded_weight_limbs(4, cert.fast_spread)
-    same &= bool((triton_exact.linear_folded(*args, digits, torch.bfloat16).view(torch.int16)
+    same &= bool((triton_folded.linear_folded(*args, digits, torch.bfloat16).view(torch.int16)
                   == want).all())
-    folded = timer(lambda: triton_exact.linear_folded(*args, digits, torch.bfloat16))
+    folded = timer(lambda: triton_folded.linear_folded(*args, digits, torch.bfloat16))
     return group, f"{folded:.3f} ({digits} digits)", same
 
 
@@ -266,21 +269,21 @@ def tiles(shapes=((7168, 2048), (2048, 7168)), batches=(1, 16, 128, 4096), devic
     for k, n in shapes:
         layer, w = kimi_on(k, n, device)
         layer(torch.zeros(1, k, device=device).bfloat16())  # derives the certificate
-        gpu = triton_exact.gpu_weights(layer.weights(), torch.device(device))
+        gpu = triton_layer.gpu_weights(layer.weights(), torch.device(device))
         args = (layer.weight_packed, *gpu, 4,
                 torch.bfloat16)
         for m in batches:
             x = torch.randn(m, k, device=device).bfloat16()
-            limbs, e_r, _ = triton_exact.quantize(x, 16)
+            limbs, e_r, _ = triton_quantize.quantize(x, 16)
             print(f"| {k}->{n} | {m} | quantize_kernel | "
-                  f"{timer(lambda: triton_exact.quantize(x, 16)):.3f} | | |")
-            want = triton_exact.linear(limbs, e_r, *args)
+                  f"{timer(lambda: triton_quantize.quantize(x, 16)):.3f} | | |")
+            want = triton_group.linear(limbs, e_r, *args)
             bf16 = timer(lambda: x @ w.t())
-            for bm, bn, warps in triton_exact.TUNING_TILES:
+            for bm, bn, warps in triton_group.TUNING_TILES:
                 try:
-                    y = triton_exact.linear(limbs, e_r, *args, bm, bn, warps)
+                    y = triton_group.linear(limbs, e_r, *args, bm, bn, warps)
                     same = bool((y.view(torch.int16) == want.view(torch.int16)).all())
-                    ms = timer(lambda: triton_exact.linear(limbs, e_r, *args, bm, bn, warps))
+                    ms = timer(lambda: triton_group.linear(limbs, e_r, *args, bm, bn, warps))
                 except Exception as error:  # a launch that does not compile: say so, go on
                     print(f"| {k}->{n} | {m} | {bm} x {bn}, {warps} | failed: "
                           f"{type(error).__name__}: {str(error)[:80]} | | |")

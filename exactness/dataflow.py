@@ -165,7 +165,7 @@ def wide_groups_per_sum(w_bits: int, act_bits: int) -> int:
                                                 * (2**SCALE_MANT_BITS - 1))
 
 
-# The CPU's 32-bit path (cpu.FLOAT64_GEMM): qa = hi * 2**16 + lo (lo in [0, 2**16), hi signed),
+# The CPU's 32-bit path (gemm.FLOAT64_GEMM): qa = hi * 2**16 + lo (lo in [0, 2**16), hi signed),
 # each half an exact float64 GEMM against the folded weights: integers whose every partial sum
 # stays within FLOAT64_EXACT_BITS (|v| <= 2**53: float64 holds it, so each add and FMA is exact).
 HALF_BITS = 16
@@ -204,7 +204,7 @@ INT_MM_CHUNK = 2**16
 
 
 def int_mm_chunk(k: int) -> int:
-    """The K of each of the CPU fallback's int8 GEMMs (cpu.accumulate) for a layer of K = k."""
+    """The K of each of the CPU fallback's int8 GEMMs (gemm.accumulate) for a layer of K = k."""
     return min(k, INT_MM_CHUNK)
 
 

@@ -16,8 +16,8 @@ CRASHES = {
 }
 HANG = "for (volatile int forever = 1; forever;) {}"
 
-# cpu_vnni.c's entry points (native.SIGNATURES binds each): the quantization's first pass, the first
-# the self-check calls, holds the planted statement
+# cpu_vnni.c's entry points (vnni_library.SIGNATURES binds each): the quantization's first pass,
+# the first the self-check calls, holds the planted statement
 ENTRY_POINTS = ("exact_linear_vnni", "exact_linear_spans", "quantize_limbs", "round_rows",
                 "exact_grouped")
 
@@ -41,7 +41,7 @@ def tiles_without_the_tile_state(file: Path, digest: str) -> Fit:
     """In first_run's child: the real AMX library's self-check without asking Linux for the tile
     state first. The first tile instruction faults (SIGILL): on a CPU without AMX, as on one whose
     process was never granted the state."""
-    from exactness.kernels import amx, native
+    from exactness.kernels.cpu import amx_check, amx_library, vnni_library
 
-    lib, why = native.load_file(file, digest)
-    return amx.self_check(amx.bind(lib)) if lib is not None else why
+    lib, why = vnni_library.load_file(file, digest)
+    return amx_check.self_check(amx_library.bind(lib)) if lib is not None else why

@@ -14,7 +14,8 @@ from hypothesis import strategies as st
 from exactness import ExactLinear
 from exactness.contract import BFLOAT16, FORMATS
 from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits, torch_dtype
-from exactness.kernels import REGISTRY, KernelUnavailableError, native, registry
+from exactness.kernels import REGISTRY, KernelUnavailableError, registry
+from exactness.kernels.cpu import vnni
 from exactness.kernels.registry import FallbackWarning
 from exactness.kernels.routing import route
 from exactness.moe import projection
@@ -170,7 +171,7 @@ def test_an_moe_projection_at_32_bits_has_each_experts_bits(grouped_limbs, monke
     carries two (as Triton's does), the projection warns once, naming the limbs, and runs each
     expert's layer. Either way, each routed row has its expert's own bits."""
     skip_unless_here("vnni-grouped")
-    monkeypatch.setattr(native.GROUPED, "act_limbs", grouped_limbs)
+    monkeypatch.setattr(vnni.GROUPED, "act_limbs", grouped_limbs)
     torch.manual_seed(0)
     layers = [[ExactLinear.from_weight(torch.randn(16, 64), act_bits=32)] for _ in range(3)]
     x = torch.randn(5, 64).bfloat16()
@@ -178,8 +179,8 @@ def test_an_moe_projection_at_32_bits_has_each_experts_bits(grouped_limbs, monke
     routing = route(ids, 3)
     registry.warn_fallback.cache_clear()  # once a process: another test may have said it already
     calls = []
-    run_grouped = native.GROUPED.run_grouped
-    monkeypatch.setattr(native.GROUPED, "run_grouped",
+    run_grouped = vnni.GROUPED.run_grouped
+    monkeypatch.setattr(vnni.GROUPED, "run_grouped",
                         lambda *args, **kw: calls.append(1) or run_grouped(*args, **kw))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -1,4 +1,4 @@
-"""The AMX kernel (kernels/amx.py, cpu_amx.c): its emulated tiles checked on any CPU, the real ones
+"""The AMX kernel (kernels/cpu/amx*.py): its emulated tiles checked on any CPU, the real ones
 built everywhere and run where AMX-INT8 is; refused with the reason where it cannot run; picked
 unasked only as real tiles, from a tile's 16 rows on. (Its bits against the reference: the
 equivalence, vector and reliability tests, parametrized over every kernel.)"""
@@ -15,7 +15,8 @@ import torch
 from exactness import ExactLinear
 from exactness.contract import BFLOAT16, FLOAT32, ContractValueError, act_qmax
 from exactness.formats import pack_weights, round_scaled
-from exactness.kernels import KernelUnavailableError, amx, native, registry
+from exactness.kernels import KernelUnavailableError, registry
+from exactness.kernels.cpu import amx, amx_library, vnni_library
 from exactness.kernels.registry import no, yes
 from exactness.suite.cases import LinearCase
 from exactness.suite.counterexamples import check_bits
@@ -26,8 +27,8 @@ pytestmark = pytest.mark.stage("equivalence")  # make verify's stage
 
 @pytest.fixture
 def fresh_status():
-    """amx.status() judged again under the test's settings, and again after it."""
-    caches = (amx.status, registry.warn_fallback)  # the originals: a test may patch them
+    """amx_library.status() judged again under the test's settings, and again after it."""
+    caches = (amx_library.status, registry.warn_fallback)  # the originals: a test may patch them
     for cache in caches:
         cache.cache_clear()
     yield
@@ -37,7 +38,7 @@ def fresh_status():
 
 def emulated(monkeypatch) -> None:
     monkeypatch.setenv("EXACTNESS_AMX", "emulate")
-    if native.missing_features():
+    if vnni_library.missing_features():
         monkeypatch.setenv("EXACTNESS_NATIVE", "emulate")
 
 
@@ -45,7 +46,7 @@ def test_the_emulated_tiles_pass_their_self_check_on_any_cpu(monkeypatch, fresh_
     """Whatever this CPU has, the emulated build runs: the kernel's tiling, layouts and combine
     are checked here even where the real tiles also run."""
     emulated(monkeypatch)
-    lib, why = amx.status()
+    lib, why = amx_library.status()
     assert lib is not None, why.why
     assert "emulated AMX tiles" in why.why and lib.amx_faults() == 0
 
@@ -54,9 +55,9 @@ def test_a_tile_shape_the_hardware_refuses_faults_and_is_refused(monkeypatch, fr
     """An activation tile 64 bytes wide against weight tiles of 8 rows: tdpbusd faults on the
     hardware; the emulation counts the fault and the self-check names it."""
     emulated(monkeypatch)
-    planted = amx.SOURCE.read_text().replace("cfg.rows[6] = cfg.rows[7] = AMX_STEP_K / 4;",
+    planted = amx_library.SOURCE.read_text().replace("cfg.rows[6] = cfg.rows[7] = AMX_STEP_K / 4;",
                                              "cfg.rows[6] = cfg.rows[7] = AMX_STEP_K / 8;")
-    lib, verdict = amx.load(planted)
+    lib, verdict = amx_library.load(planted)
     assert lib is None and "faulted" in verdict.why and "the accumulation" in verdict.why
 
 
@@ -100,12 +101,12 @@ def is_gcc(compiler: str) -> bool:
 def config_seen(tmp_path, compiler: str, level: str, configure: str) -> bytes:
     """The 64 bytes the emulated ldtilecfg is given by `configure` (a configure_tiles), compiled
     by `compiler` at `level`: a program of its own, run in a child process."""
-    kernel = amx.SOURCE.read_text()
+    kernel = amx_library.SOURCE.read_text()
     config_type = re.search(r"typedef struct \{\n    uint8_t palette.*?\} TileConfig;", kernel,
                             re.DOTALL)[0]
     source = tmp_path / f"config{level}.c"
     sizes = "\n".join(re.findall(r"#define AMX_\w+ \d+", kernel))
-    source.write_text("\n".join((amx.EMULATION.read_text(), sizes, config_type, configure,
+    source.write_text("\n".join((amx_library.EMULATION.read_text(), sizes, config_type, configure,
                                  PRINT_CONFIG)))
     program = tmp_path / f"config{level}"
     subprocess.run([compiler, level, str(source), "-o", str(program)], check=True,
@@ -121,7 +122,7 @@ def test_every_byte_of_the_tile_config_reaches_ldtilecfg(tmp_path, compiler):
     GCC's -O2 and -O3, leaving tiles of 0 rows (the real build's disassembly showed the same,
     and the first tileloadd raised #UD on a Xeon with AMX). cpu_amx.c's own, through LDTILECFG
     (the whole config its operand), gives every byte at every level, as at -O0."""
-    kernel = amx.SOURCE.read_text()
+    kernel = amx_library.SOURCE.read_text()
     now = re.search(r"static void configure_tiles\(int rows\) \{.*?\n\}\n", kernel, re.DOTALL)[0]
     assert "LDTILECFG(cfg);" in now and "_tile_loadconfig" not in now
     want = config_seen(tmp_path, compiler, "-O0", now)
@@ -146,8 +147,8 @@ def test_the_amx_kernel_says_why_it_does_not_run(monkeypatch, fresh_status, sett
                                                  why):
     for name, value in settings.items():
         monkeypatch.setenv(name, value)
-    monkeypatch.setattr(amx, "missing_features", lambda: missing)
-    lib, fit = amx.status()
+    monkeypatch.setattr(amx_library, "missing_features", lambda: missing)
+    lib, fit = amx_library.status()
     assert lib is None and why in fit.why
     layer = ExactLinear.from_weight(torch.randn(16, 64), kernel="amx")
     with warnings.catch_warnings(record=True) as said:
@@ -162,18 +163,18 @@ def test_the_amx_kernel_says_why_it_does_not_run(monkeypatch, fresh_status, sett
 def test_a_mode_of_none_of_its_names_is_a_typed_error(monkeypatch):
     monkeypatch.setenv("EXACTNESS_AMX", "yes")
     with pytest.raises(ContractValueError, match="EXACTNESS_AMX must be one of .*'yes'"):
-        amx.mode()
+        amx_library.mode()
 
 
 def as_an_amx_machine(monkeypatch) -> None:
     """The real tiles' settings (EXACTNESS_AMX=1, AMX-INT8 listed), running the emulated
     library: what the plan and the layer do on a Xeon with AMX."""
     emulated(monkeypatch)
-    lib, why = amx.status()
+    lib, why = amx_library.status()
     assert lib is not None, why.why
-    monkeypatch.setattr(amx, "status", lambda: (lib, yes("AMX-INT8 tiles, self-checked")))
-    monkeypatch.setattr(amx, "mode", lambda: "1")
-    monkeypatch.setattr(amx, "missing_features", lambda: [])
+    monkeypatch.setattr(amx_library, "status", lambda: (lib, yes("AMX-INT8 tiles, self-checked")))
+    monkeypatch.setattr(amx_library, "mode", lambda: "1")
+    monkeypatch.setattr(amx_library, "missing_features", lambda: [])
 
 
 @pytest.mark.parametrize("min_rows", [amx.MIN_ROWS, None, 16])
@@ -200,12 +201,13 @@ def test_the_plan_takes_real_tiles_from_min_rows_and_emulated_ones_never(monkeyp
 
 
 def test_an_amx_machine_that_refuses_the_kernel_says_why_once(monkeypatch, fresh_status):
-    monkeypatch.setattr(amx, "status", lambda: (None, no("its self-check failed on X")))
-    monkeypatch.setattr(amx, "mode", lambda: "1")
-    monkeypatch.setattr(amx, "missing_features", lambda: [])
+    monkeypatch.setattr(amx_library, "status", lambda: (None, no("its self-check failed on X")))
+    monkeypatch.setattr(amx_library, "mode", lambda: "1")
+    monkeypatch.setattr(amx_library, "missing_features", lambda: [])
     with pytest.warns(registry.FallbackWarning, match="AMX kernel is not used: its self-check"):
         assert not amx.AMX.available(torch.device("cpu"))
-    monkeypatch.setattr(amx, "missing_features", lambda: ["amx_int8"])  # not an AMX machine:
+    # not an AMX machine:
+    monkeypatch.setattr(amx_library, "missing_features", lambda: ["amx_int8"])
     with warnings.catch_warnings():  # no warning there, the VNNI kernel is simply its kernel
         warnings.simplefilter("error")
         assert not amx.AMX.available(torch.device("cpu"))
@@ -216,7 +218,7 @@ def test_the_c_tiles_are_the_shapes_dataflow_proves():
     whose amx-span obligations bound them."""
     from exactness import dataflow
 
-    source = amx.SOURCE.read_text()
+    source = amx_library.SOURCE.read_text()
     for name, value in (("AMX_ROWS", dataflow.AMX_TILE_ROWS), ("AMX_STEP_K", dataflow.AMX_STEP_K),
                         ("AMX_SPAN_GROUPS", dataflow.AMX_SPAN_GROUPS)):
         assert int(re.search(rf"#define {name} (\d+)", source)[1]) == value, name
@@ -225,7 +227,7 @@ def test_the_c_tiles_are_the_shapes_dataflow_proves():
 def test_the_real_tiles_compile_here():
     """The real build differs from the emulated one in the seven tile instructions only; where it
     cannot run, it still compiles (the instructions' spelling is checked, not their bits)."""
-    lib, why = native.build(amx.source(False), amx.FLAGS)
+    lib, why = vnni_library.build(amx_library.source(False), amx_library.FLAGS)
     assert lib is not None, why.why
     assert hasattr(lib, "exact_linear_amx") and hasattr(lib, "amx_request")
 

@@ -10,12 +10,13 @@ import pytest
 import torch
 
 from exactness import ExactLinear
-from exactness.kernels import KernelUnavailableError, amx, first_run, native, registry, toolchain
+from exactness.kernels import KernelUnavailableError, first_run, registry, toolchain
+from exactness.kernels.cpu import amx_library, vnni_library
 from tests.crashing_kernels import CRASHES, HANG, planted, stub
 
 pytestmark = pytest.mark.stage("reliability")  # make verify's stage
 
-CACHES = (native.status, amx.status, registry.warn_fallback)
+CACHES = (vnni_library.status, amx_library.status, registry.warn_fallback)
 
 
 @pytest.fixture
@@ -30,10 +31,10 @@ def fresh(tmp_path):
 
 
 def with_c_source(monkeypatch, tmp_path, text: str) -> None:
-    """native.SOURCE replaced by `text`, as if cpu_vnni.c said that."""
+    """vnni_library.SOURCE replaced by `text`, as if cpu_vnni.c said that."""
     source = tmp_path / "cpu_vnni.c"
     source.write_text(text)
-    monkeypatch.setattr(native, "SOURCE", source)
+    monkeypatch.setattr(vnni_library, "SOURCE", source)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -44,7 +45,7 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_a_c_kernel_that_dies_on_its_first_run_is_refused_and_the_forward_stays_exact(
         signal, fresh, monkeypatch):
     with_c_source(monkeypatch, fresh, stub(CRASHES[signal]))
-    lib, why = native.status()
+    lib, why = vnni_library.status()
     assert lib is None, why
     assert f"died of {signal}" in why.why and "the C kernel" in why.why, why
     w, x = torch.randn(40, 96), torch.randn(5, 96).bfloat16()
@@ -59,17 +60,18 @@ def test_a_c_kernel_that_dies_on_its_first_run_is_refused_and_the_forward_stays_
 
 
 def test_a_planted_library_that_dies_is_never_loaded_even_unchecked(fresh):
-    """native.load(check=False), the mutants' door, still refuses a library whose first run
+    """vnni_library.load(check=False), the mutants' door, still refuses a library whose first run
     died: only a failed self-check is let through there."""
-    assert native.load(stub(CRASHES["SIGSEGV"]), check=False) is None
-    assert native.load(stub(""), check=False) is not None  # runs, fails its check: let through
-    assert native.load(stub(""), check=True) is None
+    assert vnni_library.load(stub(CRASHES["SIGSEGV"]), check=False) is None
+    # runs, fails its check: let through
+    assert vnni_library.load(stub(""), check=False) is not None
+    assert vnni_library.load(stub(""), check=True) is None
 
 
 def test_a_first_run_that_hangs_is_refused_and_not_cached(fresh, monkeypatch):
     monkeypatch.setenv(first_run.SECONDS, "2")
-    lib, _ = native.build(stub(HANG))
-    outcome = native.judged(lib)
+    lib, _ = vnni_library.build(stub(HANG))
+    outcome = vnni_library.judged(lib)
     assert outcome.died and "did not end within 2 s" in outcome.verdict.why, outcome
     assert "EXACTNESS_FIRST_RUN_SECONDS" in outcome.verdict.why
     so = lib.exactness_file
@@ -77,18 +79,18 @@ def test_a_first_run_that_hangs_is_refused_and_not_cached(fresh, monkeypatch):
 
 
 def test_the_verdict_is_cached_by_build_and_cpu_so_the_child_runs_once(fresh, monkeypatch):
-    lib, _ = native.build(stub(CRASHES["SIGILL"]))
-    first = native.judged(lib)
+    lib, _ = vnni_library.build(stub(CRASHES["SIGILL"]))
+    first = vnni_library.judged(lib)
     assert first.died and "SIGILL" in first.verdict.why
 
     def no_child(*args, **kwargs):
         raise AssertionError("a second child ran")
 
     monkeypatch.setattr(subprocess, "run", no_child)
-    assert native.judged(lib) == first  # the same build on the same CPU: from the cache
+    assert vnni_library.judged(lib) == first  # the same build on the same CPU: from the cache
     monkeypatch.setattr(toolchain, "machine", lambda: "another cpu")
     with pytest.raises(AssertionError, match="a second child ran"):
-        native.judged(lib)  # another CPU's flags: judged afresh
+        vnni_library.judged(lib)  # another CPU's flags: judged afresh
 
 
 def test_a_bad_limit_is_a_typed_error(monkeypatch):
@@ -102,7 +104,7 @@ def test_a_bad_limit_is_a_typed_error(monkeypatch):
 
 def emulated_tiles(monkeypatch) -> None:
     monkeypatch.setenv("EXACTNESS_AMX", "emulate")
-    if native.missing_features():
+    if vnni_library.missing_features():
         monkeypatch.setenv("EXACTNESS_NATIVE", "emulate")
 
 
@@ -111,9 +113,10 @@ def test_an_amx_kernel_that_dies_on_its_first_run_is_refused_by_name(fresh, monk
     first to run it. Forced, the layer raises naming the signal; unforced, its bits are exact."""
     emulated_tiles(monkeypatch)
     source = fresh / "cpu_amx.c"
-    source.write_text(planted(amx.SOURCE.read_text(), "exact_linear_amx", CRASHES["SIGSEGV"]))
-    monkeypatch.setattr(amx, "SOURCE", source)
-    lib, why = amx.status()
+    source.write_text(planted(amx_library.SOURCE.read_text(), "exact_linear_amx",
+                              CRASHES["SIGSEGV"]))
+    monkeypatch.setattr(amx_library, "SOURCE", source)
+    lib, why = amx_library.status()
     assert lib is None and "died of SIGSEGV" in why.why and "the AMX kernel" in why.why, why
     w, x = torch.randn(40, 96), torch.randn(17, 96).bfloat16()
     with pytest.raises(KernelUnavailableError, match="died of SIGSEGV"):
@@ -132,12 +135,12 @@ def test_real_tiles_run_without_the_tile_state_die_in_the_child_not_here(monkeyp
     (test_amx.py builds the same library.)"""
     monkeypatch.setenv("EXACTNESS_AMX", "1")
     monkeypatch.setenv("EXACTNESS_NATIVE", "1")
-    lib, why = amx.build()
+    lib, why = amx_library.build()
     assert lib is not None, why.why
     outcome = first_run.run(lib.exactness_file, lib.exactness_digest,
                             "tests.crashing_kernels:tiles_without_the_tile_state",
                             "the AMX kernel (real tiles)", toolchain.machine())
-    if outcome.died or amx.missing_features() or native.missing_features():
+    if outcome.died or amx_library.missing_features() or vnni_library.missing_features():
         assert outcome.died and "died of SIGILL (an illegal instruction)" in outcome.verdict.why
         assert "the AMX kernel (real tiles)" in outcome.verdict.why
     else:

@@ -135,5 +135,26 @@ def test_the_product_touches_no_private_name_of_another_module():
 def test_a_private_reach_is_seen():
     assert reaches("layer._expected()") == ["line 1: layer._expected"]
     assert reaches("from .modules import _NoBackward") == ["line 1: import _NoBackward"]
-    assert reaches("native._missing_features()") and not reaches("self._plans.clear()")
+    assert reaches("vnni_library._missing_features()") and not reaches("self._plans.clear()")
     assert not reaches("torch._int_mm(a, b)")
+
+
+# kernels/ is one wing per backend (cpu/, triton/), each file one job: a newcomer reads any of
+# them whole (issue 43: native.py had grown to 797 lines and six jobs)
+KERNEL_FILE_LINES = 300
+
+
+def too_long(files, limit: int = KERNEL_FILE_LINES) -> dict[str, int]:
+    """The files of more than `limit` lines, with their counts."""
+    counts = {str(f.relative_to(ROOT)): len(f.read_text().splitlines()) for f in files}
+    return {f: n for f, n in counts.items() if n > limit}
+
+
+def test_every_kernel_file_is_a_short_read():
+    files = list(ROOT.glob("exactness/kernels/**/*.py"))
+    assert len(files) > 20 and not too_long(files)
+
+
+def test_a_long_kernel_file_is_seen():
+    modules = ROOT / "exactness" / "modules.py"  # the layers: longer than a kernel file may be
+    assert too_long([modules]) and not too_long([modules], limit=10_000)

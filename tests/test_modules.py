@@ -15,8 +15,12 @@ from exactness import ExactLinear, PackedInt4Linear
 from exactness.contract import BFLOAT16, FLOAT32, FORMATS, ContractValueError, ShapeError
 from exactness.dataflow import act_limbs, activation_limbs
 from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits, torch_dtype
-from exactness.kernels import REGISTRY, KernelUnavailableError, native, registry, triton_exact
+from exactness.kernels import REGISTRY, KernelUnavailableError, registry
+from exactness.kernels.cpu import vnni, vnni_check, vnni_layout, vnni_library
 from exactness.kernels.registry import no
+from exactness.kernels.triton import group as triton_group
+from exactness.kernels.triton import layer as triton_layer
+from exactness.kernels.triton import quantize as triton_quantize
 from exactness.suite.cases import LinearCase, load_vectors
 from exactness.suite.counterexamples import check_bits
 from exactness.suite.paths import (
@@ -166,7 +170,7 @@ def test_the_c_layout_chosen_from_the_weights_range_at_its_edges(edge):
                       8, BFLOAT16, 8)
     for path in ("vnni-limbs", "vnni-grouped"):
         check_path(case, path)
-    derived = native.NativeWeights(torch.from_numpy(q), torch.ones(n, 2, dtype=torch.int32))
+    derived = vnni_layout.NativeWeights(torch.from_numpy(q), torch.ones(n, 2, dtype=torch.int32))
     assert derived.nibbles == (-8 <= edge <= 7)  # the derived layout's choice (amx's)
 
 
@@ -184,7 +188,7 @@ def test_rows_agree_across_the_kernel_switch(case):
     the batch may take `amx`)."""
     skip_unless_here("vnni-spans")
     x = bits_to_tensor(case.x_bits, case.x_format)
-    batch = x.repeat(-(-native.SPAN_MIN_ROWS // x.shape[0]), 1)
+    batch = x.repeat(-(-vnni.SPAN_MIN_ROWS // x.shape[0]), 1)
     alone = tensor_to_bits(layer_for(case, "vnni-limbs")(x))
     spans = tensor_to_bits(layer_for(case, "vnni-spans")(batch))
     assert (spans[:x.shape[0]] == alone).all()
@@ -195,21 +199,21 @@ def test_rows_agree_across_the_kernel_switch(case):
 
 
 def test_the_vnni_kernel_is_in_use_where_the_cpu_has_it():
-    if native._cpu_has_vnni():
-        assert native.library() is not None
+    if not vnni_library.missing_features():
+        assert vnni_library.library() is not None
 
 
 def test_no_compiler_or_cache_means_no_c_kernel_not_a_crash(tmp_path, monkeypatch):
     in_the_way = tmp_path / "a-file"
     in_the_way.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(in_the_way))  # the cache cannot be created
-    assert native.load(native.SOURCE.read_text()) is None
-    assert "no writable cache" in native.build(native.SOURCE.read_text())[1].why
+    assert vnni_library.load(vnni_library.SOURCE.read_text()) is None
+    assert "no writable cache" in vnni_library.build(vnni_library.SOURCE.read_text())[1].why
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert native.load("this is not C") is None
-    assert "failed on cpu_vnni.c" in native.build("this is not C")[1].why
+    assert vnni_library.load("this is not C") is None
+    assert "failed on cpu_vnni.c" in vnni_library.build("this is not C")[1].why
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    assert "no C compiler" in native.build("int x;")[1].why
+    assert "no C compiler" in vnni_library.build("int x;")[1].why
 
 
 def test_the_self_check_names_what_failed():
@@ -217,7 +221,7 @@ def test_the_self_check_names_what_failed():
     skip_unless_here("vnni-limbs")
     from exactness.suite.mutants import CATALOGUE, mutated_c_kernel
 
-    verdict = native._self_check(mutated_c_kernel(next(
+    verdict = vnni_check.self_check(mutated_c_kernel(next(
         m for m in CATALOGUE if m.name == "vnni-rounding-ties-up")))
     assert not verdict and "self-check failed on" in verdict.why and "float" in verdict.why
 
@@ -241,14 +245,14 @@ def test_every_cpu_path_the_plan_takes_on_another_machine(machine, monkeypatch):
     with a torch._int_mm that is not exact (float64-gemm, which no machine here picks). The
     plan picks the path such a machine would, and it gives the reference's bits, at K past
     fp32's exact sums (where an inexact _int_mm shows)."""
-    from exactness.kernels import cpu
+    from exactness.kernels.cpu import gemm
 
     status, int_mm, want = MACHINES[machine]
-    monkeypatch.setattr(native, "status", lambda: (None, status))
-    monkeypatch.setattr(native, "warn_fallback", lambda *why: None)
+    monkeypatch.setattr(vnni_library, "status", lambda: (None, status))
+    monkeypatch.setattr(vnni, "warn_fallback", lambda *why: None)
     if int_mm is not None:
         monkeypatch.setattr(torch, "_int_mm", int_mm)
-    cpu.int_mm_exact.cache_clear()
+    gemm.int_mm_exact.cache_clear()
     try:
         @settings(max_examples=max(10, settings.default.max_examples // 3))
         @given(linear_cases(max_k=2048, max_n=8, max_rows=4, min_k=1024,
@@ -261,18 +265,18 @@ def test_every_cpu_path_the_plan_takes_on_another_machine(machine, monkeypatch):
 
         check()
     finally:
-        cpu.int_mm_exact.cache_clear()
+        gemm.int_mm_exact.cache_clear()
 
 
 def test_the_int64_matmul_takes_what_float64_cannot_hold(monkeypatch):
     """On a CPU without VNNI or an exact _int_mm, K = 18432 at spread 12 could pass 2**53 in the
     float64 GEMMs: the plan says so and takes the int64 matmul, with the reference's bits."""
-    from exactness.kernels import cpu
+    from exactness.kernels.cpu import gemm
 
-    monkeypatch.setattr(native, "status", lambda: (None, no("the CPU lacks avx512_vnni")))
-    monkeypatch.setattr(native, "warn_fallback", lambda *why: None)
+    monkeypatch.setattr(vnni_library, "status", lambda: (None, no("the CPU lacks avx512_vnni")))
+    monkeypatch.setattr(vnni, "warn_fallback", lambda *why: None)
     monkeypatch.setattr(torch, "_int_mm", int_mm_through_fp32)
-    cpu.int_mm_exact.cache_clear()
+    gemm.int_mm_exact.cache_clear()
     try:
         rng = np.random.default_rng(7)
         n, k = 2, 18432
@@ -288,14 +292,14 @@ def test_the_int64_matmul_takes_what_float64_cannot_hold(monkeypatch):
         check_bits(case, "int64-matmul", tensor_to_bits(layer(bits_to_tensor(x, BFLOAT16))),
                    run(case, "reference"))
     finally:
-        cpu.int_mm_exact.cache_clear()
+        gemm.int_mm_exact.cache_clear()
 
 
 
 def test_a_fallback_from_the_c_kernel_warns_once_saying_why(monkeypatch):
     layer = ExactLinear.from_weight(torch.randn(8, 64))
     x = torch.randn(2, 64)
-    monkeypatch.setattr(native, "status", lambda: (None, no("the CPU lacks avx512_vnni")))
+    monkeypatch.setattr(vnni_library, "status", lambda: (None, no("the CPU lacks avx512_vnni")))
     registry.warn_fallback.cache_clear()
     with pytest.warns(registry.FallbackWarning, match="not used: the CPU lacks avx512_vnni"):
         plan = layer.plan(x)
@@ -324,11 +328,11 @@ def test_the_plan_names_its_kernel_and_a_forced_one_is_never_swapped(monkeypatch
 
 
 def folded_case(case: LinearCase) -> tuple[LinearCase, np.ndarray, np.ndarray]:
-    """`case` grown to a shape the forward sends through triton_exact.linear_folded (rows
+    """`case` grown to a shape the forward sends through triton_folded.linear_folded (rows
     repeated to FOLDED_MIN_ROWS, weight rows to a multiple of 8), with the rows and outputs of
     `case` each of its rows and outputs repeats. A failure's file replays through that path."""
     m, k, n = case.shape
-    rows = np.arange(max(m, triton_exact.FOLDED_MIN_ROWS)) % m
+    rows = np.arange(max(m, triton_layer.FOLDED_MIN_ROWS)) % m
     cols = np.arange(-(-n // 8) * 8) % n
     return LinearCase(case.x_bits[rows], case.x_format, case.q[cols], case.weight_packed[cols],
                       case.scale_bits[cols], case.act_bits, case.out_format, case.w_bits,
@@ -342,7 +346,7 @@ def test_triton_folded_path_matches_reference(case):
     case, _, _ = folded_case(case)
     check_path(case, "triton-folded")
     assert layer_for(case, "triton").plan(bits_to_tensor(case.x_bits, case.x_format)).kernel \
-        is triton_exact.FOLDED, "the Triton plan does not take linear_folded at this shape"
+        is triton_layer.FOLDED, "the Triton plan does not take linear_folded at this shape"
 
 
 @needs_triton
@@ -355,12 +359,12 @@ def test_the_group_kernels_k_split_changes_no_bit(case, slices):
     checked against the reference by every Triton test: the interpreter splits small launches)."""
     layer = layer_for(case, "triton")
     x = bits_to_tensor(case.x_bits, case.x_format)
-    limbs, e_r, _ = triton_exact.quantize(x, case.act_bits)
-    gpu = triton_exact.gpu_weights(layer.weights(), x.device)
+    limbs, e_r, _ = triton_quantize.quantize(x, case.act_bits)
+    gpu = triton_layer.gpu_weights(layer.weights(), x.device)
     args = (limbs, e_r, layer.weight_packed, *gpu, case.w_bits,
             torch_dtype(case.out_format))
-    whole = tensor_to_bits(triton_exact.linear(*args, slices=1))
-    assert (tensor_to_bits(triton_exact.linear(*args, slices=slices)) == whole).all()
+    whole = tensor_to_bits(triton_group.linear(*args, slices=1))
+    assert (tensor_to_bits(triton_group.linear(*args, slices=slices)) == whole).all()
 
 
 @needs_triton
@@ -374,11 +378,12 @@ def test_the_quantize_kernel_at_any_slicing_and_tile(case, slices, tile):
     them, and the flags of non-finite rows."""
     x = bits_to_tensor(case.x_bits, case.x_format)
     qa, e_r = quantize_activations(case.x_bits, case.x_format, case.act_bits)
-    limbs, got_e_r, nonfinite = triton_exact.quantize(x, case.act_bits, slices, tile)
+    limbs, got_e_r, nonfinite = triton_quantize.quantize(x, case.act_bits, slices, tile)
     exact = bool((limbs == activation_limbs(torch.from_numpy(qa), case.act_bits)).all()
                  and (got_e_r.numpy() == e_r).all())
     x[-1, -1] = float("inf")
-    flags = nonfinite.tolist() + triton_exact.quantize(x, case.act_bits, slices, tile)[2].tolist()
+    again = triton_quantize.quantize(x, case.act_bits, slices, tile)
+    flags = nonfinite.tolist() + again[2].tolist()
     assert exact and flags == [0] * (2 * len(x) - 1) + [1]  # one line: one failure to shrink
 
 
@@ -387,12 +392,12 @@ def test_the_quantize_kernel_at_any_slicing_and_tile(case, slices, tile):
 @given(linear_cases(max_k=96, max_n=24, max_rows=9, act_bits_=held_act_bits("triton-group")),
        st.integers(1, 4))
 def test_launches_in_blocks_of_rows_match_reference(case, block):
-    """Past int32 offsets (triton_exact.rows_per_launch) a forward launches blocks of rows;
+    """Past int32 offsets (triton_layer.rows_per_launch) a forward launches blocks of rows;
     with the limit shrunk to `block` rows a launch, the bits are still the reference's."""
     m, k, n = case.shape
     limit = block * max(act_limbs(case.act_bits) * k, n)
-    with mock.patch.object(triton_exact, "INT32_OFFSETS", limit):
-        assert triton_exact.rows_per_launch(k, n, case.act_bits) == block
+    with mock.patch.object(triton_layer, "INT32_OFFSETS", limit):
+        assert triton_layer.rows_per_launch(k, n, case.act_bits) == block
         check_path(case, "triton")
 
 
@@ -417,7 +422,7 @@ def test_a_non_finite_x_in_a_later_block_of_rows_is_nan_or_counted_in_x():
     x = torch.randn(13, 64)
     want = tensor_to_bits(layer(x[:11]))
     x[11, 3] = x[12, 0] = float("nan")
-    with mock.patch.object(triton_exact, "INT32_OFFSETS", 5 * 2 * 64):  # 5 rows a launch
+    with mock.patch.object(triton_layer, "INT32_OFFSETS", 5 * 2 * 64):  # 5 rows a launch
         y = tensor_to_bits(layer(x))
         assert (y[11:] == 0x7FC00000).all() and (y[:11] == want).all()
         layer.strict = True
@@ -429,7 +434,7 @@ def test_a_non_finite_x_in_a_later_block_of_rows_is_nan_or_counted_in_x():
 @needs_triton
 def test_the_gpu_checks_tile_table_runs(capsys):
     """bench/gpu_check.py's tile table, small and under the interpreter (a device run is scarce,
-    so the script it runs is run here first): every tile of triton_exact.TUNING_TILES, with tails
+    so the script it runs is run here first): every tile of triton_group.TUNING_TILES, with tails
     both ways, gives the default launch's bits."""
     from bench.gpu_check import tiles
 
@@ -454,7 +459,7 @@ def test_a_cuda_graph_capture_is_refused_before_any_launch(monkeypatch):
     layer = ExactLinear.from_weight(torch.randn(4, 64), backend="triton")
     x = torch.randn(3, 64)
     monkeypatch.setattr(registry, "capturing", lambda x: True)
-    monkeypatch.setattr(triton_exact, "quantize", mock.Mock(side_effect=AssertionError))
+    monkeypatch.setattr(triton_layer, "quantize", mock.Mock(side_effect=AssertionError))
     with pytest.raises(ContractValueError, match="cannot be captured into a CUDA graph"):
         layer(x)
     monkeypatch.undo()
@@ -526,7 +531,7 @@ def test_full_kimi_sizes(path, act_bits):
 def test_full_kimi_size_triton_folded():
     """A full Kimi layer through linear_folded (16-bit activations, FOLDED_MIN_ROWS rows)."""
     @settings(max_examples=1, derandomize=True, database=None)
-    @given(kimi_cases(16, "triton", rows=triton_exact.FOLDED_MIN_ROWS))
+    @given(kimi_cases(16, "triton", rows=triton_layer.FOLDED_MIN_ROWS))
     def full_size(case):
         check_path(case, "triton-folded")
 
@@ -743,10 +748,10 @@ def test_gpu_weights_are_the_live_scales_certificate():
     layer = PackedInt4Linear(64, 8, backend="triton")
     layer.weight_scale.data.fill_(2.0)
     # the interpreter's device
-    factor, _, emin = triton_exact.gpu_weights(layer.weights(), torch.device("cpu"))
+    factor, _, emin = triton_layer.gpu_weights(layer.weights(), torch.device("cpu"))
     assert torch.equal(factor, layer.certificate.factor) and (emin == layer.certificate.emin).all()
     layer.weight_scale.data[:, 1] = 4.0  # a write: the next call's factors are the new scales'
-    again = triton_exact.gpu_weights(layer.weights(), torch.device("cpu"))
+    again = triton_layer.gpu_weights(layer.weights(), torch.device("cpu"))
     assert torch.equal(again[0], layer.certificate.factor)
     assert not torch.equal(layer.certificate.factor, factor)
 
@@ -846,11 +851,11 @@ def test_the_vnni_self_check_refuses_a_broken_layout():
     from exactness.suite.mutants import CATALOGUE, applied
 
     skip_unless_here("vnni-limbs")
-    lib = native.library()
+    lib = vnni_library.library()
     for name in ("vnni-rows-interleaved-wrong", "vnni-scale-of-the-neighbour-group"):
         with applied(next(m for m in CATALOGUE if m.name == name)):
-            assert not native._self_check(lib)
-    assert native._self_check(lib)
+            assert not vnni_check.self_check(lib)
+    assert vnni_check.self_check(lib)
 
 
 # --------------------------------------------------------------------------- the layers' options
@@ -909,10 +914,10 @@ def test_the_plan_counts_rows_over_every_leading_dimension():
     """x [1, 63, K] is 63 rows, one short of the folded GEMM's FOLDED_MIN_ROWS; [1, 64, K] is
     64 rows: the plan counts rows over all leading dimensions, not along one of them."""
     layer = ExactLinear.from_weight(torch.randn(16, 64), backend="triton")
-    assert triton_exact.FOLDED_MIN_ROWS == 64
-    assert layer.plan(torch.zeros(1, 63, 64)).kernel is triton_exact.GROUP
-    assert layer.plan(torch.zeros(1, 64, 64)).kernel is triton_exact.FOLDED
-    assert layer.plan(torch.zeros(4, 16, 64)).kernel is triton_exact.FOLDED
+    assert triton_layer.FOLDED_MIN_ROWS == 64
+    assert layer.plan(torch.zeros(1, 63, 64)).kernel is triton_layer.GROUP
+    assert layer.plan(torch.zeros(1, 64, 64)).kernel is triton_layer.FOLDED
+    assert layer.plan(torch.zeros(4, 16, 64)).kernel is triton_layer.FOLDED
 
 
 def test_every_kernel_has_what_the_protocol_names():

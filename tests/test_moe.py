@@ -21,7 +21,8 @@ from exactness.contract import (
     ShapeError,
 )
 from exactness.formats import bits_to_tensor, finite_mask, pack_weights, tensor_to_bits
-from exactness.kernels import REGISTRY, KernelUnavailableError, native, registry
+from exactness.kernels import REGISTRY, KernelUnavailableError, registry
+from exactness.kernels.cpu import vnni, vnni_library
 from exactness.kernels.registry import no
 from exactness.kernels.routing import route
 from exactness.kimi import ExactExperts, KimiConfig, KimiMoE, KimiRouter
@@ -72,10 +73,10 @@ def test_grouped_projection_matches_reference(path):
 def test_grouped_projection_at_kimis_k_with_one_expert_taking_every_token(path):
     """K = 7168 (Kimi's gate and up), two experts of two parts, the second taking every token
     and the first none; bf16 scales over two binades. On the CPU 24 tokens: the span kernel's
-    rows (native.SPAN_MIN_ROWS)."""
+    rows (vnni.SPAN_MIN_ROWS)."""
     skip_unless_here(path)
     rng = np.random.default_rng(0)
-    rows, k, n = (native.SPAN_MIN_ROWS if path == "vnni-grouped" else 2), 7168, 2 * 2 * 64
+    rows, k, n = (vnni.SPAN_MIN_ROWS if path == "vnni-grouped" else 2), 7168, 2 * 2 * 64
     q = rng.integers(-8, 8, (n, k))
     x = rng.integers(0x3C00, 0x4000, (rows, k)) | (rng.integers(0, 2, (rows, k)) << 15)
     case = LinearCase(x, BFLOAT16, q, pack_weights(q, 4),
@@ -239,8 +240,8 @@ def test_kimi_moe_grouped_matches_its_per_expert_loop(backend):
 
 def spy_grouped(monkeypatch) -> list:
     """The C grouped kernel's calls, as they come: (x's shape, whether it got moe.WORKSPACE)."""
-    calls, real = [], native.GROUPED.run_grouped
-    monkeypatch.setattr(type(native.GROUPED), "run_grouped", lambda self, *a: (
+    calls, real = [], vnni.GROUPED.run_grouped
+    monkeypatch.setattr(type(vnni.GROUPED), "run_grouped", lambda self, *a: (
         calls.append((a[0].shape, a[7] is moe.WORKSPACE)), real(*a))[1])
     return calls
 
@@ -520,7 +521,7 @@ def test_no_grouped_kernel_here_warns_once_and_runs_the_loop(monkeypatch):
     x, ids, weights = torch.randn(2, 64).bfloat16(), torch.tensor([[0, 1], [1, 0]]), \
         torch.ones(2, 2)
     want = experts_of(zero_case(2)).per_expert(x, ids, weights)
-    monkeypatch.setattr(native, "status", lambda: (None, no("the CPU lacks avx512_vnni")))
+    monkeypatch.setattr(vnni_library, "status", lambda: (None, no("the CPU lacks avx512_vnni")))
     registry.warn_fallback.cache_clear()
     registry.warn_fallback.cache_clear()
     experts = experts_of(zero_case(2))  # (a layer keeps its plans: new ones, without C)
@@ -576,7 +577,7 @@ def test_a_forced_kernel_is_honoured_never_swapped(monkeypatch):
         torch.ones(2, 2)
     want = experts(x, ids, weights)
     monkeypatch.setenv("EXACTNESS_KERNEL", "int64-matmul")
-    monkeypatch.setattr(type(native.GROUPED), "run_grouped", None)  # would fail if called
+    monkeypatch.setattr(type(vnni.GROUPED), "run_grouped", None)  # would fail if called
     assert torch.equal(experts(x, ids, weights), want)
     monkeypatch.setenv("EXACTNESS_KERNEL", "triton-grouped")
     if "triton-grouped" not in available_paths():
@@ -712,7 +713,7 @@ def test_a_projection_without_a_kernel_plans_its_own(monkeypatch, act_bits, way)
     ids = torch.tensor([[0, 2], [1, 3], [2, 1], [0, 1]])  # 3: no expert
     routing = route(ids, 3)
     if way == "no grouped kernel here":
-        monkeypatch.setattr(native, "status", lambda: (None, no("the CPU lacks avx512_vnni")))
+        monkeypatch.setattr(vnni_library, "status", lambda: (None, no("the CPU lacks avx512_vnni")))
     if way == "experts of two widths":
         for layer in layers[2]:
             layer.act_bits = 8

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from exactness.kernels import amx, native
+from exactness.kernels.cpu import amx_check, vnni_check
 from exactness.suite.mutants import (
     AMX_KERNEL,
     C_KERNEL,
@@ -41,7 +41,7 @@ def test_the_start_up_self_check_refuses_the_c_mutant(mutant: Mutant):
     """Had the C kernel carried the bug, the layer would not have used it."""
     if not runs_here(mutant):
         require("vnni-limbs")
-    assert not native._self_check(mutated_c_kernel(mutant))
+    assert not vnni_check.self_check(mutated_c_kernel(mutant))
 
 
 @pytest.mark.parametrize("mutant", [m for m in CATALOGUE if m.target == AMX_KERNEL],
@@ -51,7 +51,7 @@ def test_the_start_up_self_check_refuses_the_amx_mutant(mutant: Mutant):
     too, where they differ from the emulated ones only in the six tile instructions."""
     if not runs_here(mutant):
         require("amx")
-    assert not amx.self_check(mutated_amx_kernel(mutant))
+    assert not amx_check.self_check(mutated_amx_kernel(mutant))
 
 
 def test_every_killer_is_a_test_pytest_collects():
@@ -87,13 +87,13 @@ def test_catalogue_covers_the_bug_classes():
 
 def test_applied_restores_the_original():
     import exactness.formats as formats
-    from exactness.kernels import cpu
+    from exactness.kernels.cpu import gemm
 
-    before = formats.unpack_weights, cpu.forward
-    for mutant in (CATALOGUE[0], next(m for m in CATALOGUE if m.target.endswith("cpu:forward"))):
+    before = formats.unpack_weights, gemm.forward
+    for mutant in (CATALOGUE[0], next(m for m in CATALOGUE if m.target.endswith("gemm:forward"))):
         with applied(mutant):
-            assert (formats.unpack_weights, cpu.forward) != before
-    assert (formats.unpack_weights, cpu.forward) == before
+            assert (formats.unpack_weights, gemm.forward) != before
+    assert (formats.unpack_weights, gemm.forward) == before
 
 
 def test_every_target_is_found_from_its_object():

@@ -246,7 +246,7 @@ def test_folded_weight_max_is_the_largest_fold(w_bits):
 
 
 def test_int_mm_bound_is_the_attained_worst_sum():
-    """It decides where the GPU may take torch._int_mm (triton_exact.folded_fits): the worst
+    """It decides where the GPU may take torch._int_mm (triton.folded.folded_fits): the worst
     |sum| of k int8 products, attained with every limb -128, under 2**31 at the CPU's slices."""
     for k in (1, 32, 96):
         limbs = torch.full((1, k), -128, dtype=torch.int64)
@@ -336,7 +336,7 @@ def test_the_int64_matmul_is_refuted_one_step_past_the_certified_spread():
 
 
 def test_the_float64_gemm_is_proved_where_its_check_admits_it_and_refuted_past():
-    """cpu.FLOAT64_GEMM's runtime check (dataflow.float64_gemm_holds) and its proof agree: at
+    """gemm.FLOAT64_GEMM's runtime check (dataflow.float64_gemm_holds) and its proof agree: at
     K = 18432, spread 11 stays within 2**53, spread 12 can pass it."""
     assert dataflow.float64_gemm_holds(18432, 4, 11) and not dataflow.float64_gemm_holds(
         18432, 4, 12)

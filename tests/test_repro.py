@@ -25,11 +25,12 @@ def cli(*args, env=None):
 
 
 def test_planted_kernel_bug_is_caught_saved_and_replayed(tmp_path):
-    from exactness.kernels import native
+    from exactness.kernels.cpu import vnni_library
 
     # the CPU path's activation exponent off by one: in the C kernel, or where that does not run
     # here, in the int8-GEMM fallback's Python
-    bug = "vnni-row-exponent-too-small" if native.library() else "activation-exponent-too-large"
+    bug = ("vnni-row-exponent-too-small" if vnni_library.library()
+           else "activation-exponent-too-large")
     env = {"EXACTNESS_MUTANT": bug, "EXACTNESS_COUNTEREXAMPLES": str(tmp_path),
            "TRITON_INTERPRET": "1"}
     verify = cli("verify", "--stage", "vectors", env=env)

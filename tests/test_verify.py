@@ -69,19 +69,19 @@ def test_a_c_kernel_refused_where_it_should_run_fails_its_checks(monkeypatch):
     """On a CPU with AVX-512 VNNI and a compiler, or where the suite emulates the kernel, a C
     kernel refused (its build or its self-check) is a failure of every check of it, naming why,
     not a skip."""
-    from exactness.kernels import native
+    from exactness.kernels.cpu import vnni, vnni_library
     from exactness.kernels.registry import no
     from exactness.suite import paths
 
     refused = no("its self-check failed on the accumulation (exact_linear_vnni, 4-bit weights)")
-    monkeypatch.setattr(native, "status", lambda: (None, refused))
-    monkeypatch.setattr(native, "warn_fallback", lambda *why: None)
-    monkeypatch.setattr(native, "missing_features", lambda: [])
+    monkeypatch.setattr(vnni_library, "status", lambda: (None, refused))
+    monkeypatch.setattr(vnni, "warn_fallback", lambda *why: None)
+    monkeypatch.setattr(vnni_library, "missing_features", lambda: [])
     monkeypatch.setenv("CC", "sh")  # a compiler on PATH
     monkeypatch.setenv("EXACTNESS_NATIVE", "1")
     with pytest.raises(pytest.fail.Exception, match="self-check failed on the accumulation"):
         paths.require("vnni-limbs")
-    monkeypatch.setattr(native, "missing_features", lambda: ["avx512_vnni"])
+    monkeypatch.setattr(vnni_library, "missing_features", lambda: ["avx512_vnni"])
     with pytest.raises(pytest.skip.Exception, match="self-check failed"):
         paths.require("vnni-limbs")  # no VNNI, and the real kernel asked for: an honest skip
     monkeypatch.setenv("EXACTNESS_NATIVE", "emulate")  # the suite's choice on such a CPU
@@ -94,23 +94,23 @@ def test_the_suite_emulates_the_c_kernel_where_the_cpu_lacks_it(monkeypatch):
     nothing); an EXACTNESS_NATIVE the user set is kept, and a value of none of its modes is a
     typed error naming it."""
     from exactness.contract import ContractValueError
-    from exactness.kernels import native
+    from exactness.kernels.cpu import vnni_library
     from exactness.suite import paths
 
-    monkeypatch.setattr(native, "missing_features", lambda: ["avx512_vnni"])
+    monkeypatch.setattr(vnni_library, "missing_features", lambda: ["avx512_vnni"])
     monkeypatch.delenv("EXACTNESS_NATIVE", raising=False)
     assert "emulated" in paths.emulate_the_c_kernel_where_missing()
     assert os.environ["EXACTNESS_NATIVE"] == "emulate"
     monkeypatch.setenv("EXACTNESS_NATIVE", "0")
     assert paths.emulate_the_c_kernel_where_missing() == ("the C kernel: off (the AMX kernel "
                                                           "with it)")
-    monkeypatch.setattr(native, "missing_features", lambda: [])
+    monkeypatch.setattr(vnni_library, "missing_features", lambda: [])
     monkeypatch.delenv("EXACTNESS_NATIVE")
     assert "instructions" in paths.emulate_the_c_kernel_where_missing()
     assert "EXACTNESS_NATIVE" not in os.environ  # the real kernel, unasked
     monkeypatch.setenv("EXACTNESS_NATIVE", "yes")
     with pytest.raises(ContractValueError, match="EXACTNESS_NATIVE must be one of .*'yes'"):
-        native.mode()
+        vnni_library.mode()
 
 
 @pytest.mark.parametrize("thorough, stages, verdict, recorded", [

@@ -3,7 +3,7 @@ rows they hold exactly (docs/SPEC.md, the certificate). Derived from the live sc
 forward asks, never kept: a write to weight_scale is seen at the next forward.
 
 The C kernel derives the same per block as it runs (cpu_vnni.c's prepare_block), and the GPU's
-grouped kernel per program (triton_grouped.py); this is their twin, and the self-checks and
+grouped kernel per program (triton/grouped.py); this is their twin, and the self-checks and
 tests tie them to it.
 """
 

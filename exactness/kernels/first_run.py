@@ -9,8 +9,9 @@ verdict within EXACTNESS_FIRST_RUN_SECONDS (default 120), refuses the library, n
 and the build. The caller then runs its exact slower path.
 
 A verdict is cached beside the library in the kernels' private cache. It is keyed by the
-library's digest, the CPU's flags and the checking code, so the child runs once per build and
-machine, not once per process. A timeout is not cached: a loaded machine may pass next time.
+library's digest, the CPU's flags and the checking code (the modules of its wing), so the child
+runs once per build and machine, not once per process. A timeout is not cached: a loaded
+machine may pass next time.
 """
 
 from __future__ import annotations
@@ -82,10 +83,10 @@ def _key(digest: str, check: str, machine: str) -> str:
 
 @functools.cache
 def _code(check: str) -> str:
-    """The source of this module and of the check's: read once per process, not per build."""
-    module = check.partition(":")[0]
-    return "".join(Path(path).read_text() for path in (
-        __file__, importlib.util.find_spec(module).origin))
+    """The source of this module and of the check's wing (every module of its package: the check
+    compares the library with their Python twins), read once per process, not per build."""
+    wing = Path(importlib.util.find_spec(check.partition(":")[0]).origin).parent
+    return "".join(path.read_text() for path in (Path(__file__), *sorted(wing.glob("*.py"))))
 
 
 def _child(file: Path, digest: str, check: str, build: str) -> tuple[FirstRun, bool]:

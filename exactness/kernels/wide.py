@@ -24,8 +24,8 @@ from ..formats import (
     round_scaled,
     split_scales,
 )
-from . import native
-from .activations import quantize_rows
+from .cpu import vnni_calls, vnni_library
+from .cpu.activations import quantize_rows
 from .registry import Fit, Weights, yes
 
 # x's rows per block, and a block's most group sums P (rows x weight rows x groups): the memory
@@ -81,11 +81,11 @@ def quantized(x: torch.Tensor, act_bits: int) -> tuple[torch.Tensor, torch.Tenso
     """(qa int32 [M, K], e_r [M]) of x [M, K] on the CPU: by the C kernel's quantization pass
     where it runs (one pass over x: the slow rows then cost little more than
     their own outputs), else by quantize_rows. Either raises NonFiniteError for a non-finite x."""
-    lib = native.library()
+    lib = vnni_library.library()
     if lib is None:
         check_finite_tensor(x, "x")  # raises: count, index
         return quantize_rows(x, act_bits)
-    limbs, e_r = native.quantize(x, act_bits, lib)  # the bytes of qa + 2**(8 L - 1)
+    limbs, e_r = vnni_calls.quantize(x, act_bits, lib)  # the bytes of qa + 2**(8 L - 1)
     biased = torch.zeros(limbs.shape[1:], dtype=torch.int64)
     for j, limb in enumerate(limbs):
         biased.add_(limb.to(torch.int64) << (dataflow.LIMB_BITS * j))

@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .. import dataflow, formats, kimi, modules, moe, quantize
-from ..kernels import activations, amx, cpu, native, triton_exact, triton_grouped, wide
+from ..kernels import wide
+from ..kernels.cpu import activations, amx_library, gemm, vnni_calls, vnni_layout, vnni_library
+from ..kernels.triton import folded as triton_folded
+from ..kernels.triton import group as triton_group
+from ..kernels.triton import grouped as triton_grouped
+from ..kernels.triton import integers as triton_integers
+from ..kernels.triton import layer as triton_layer
+from ..kernels.triton import quantize as triton_quantize
 
 
 @dataclass(frozen=True)
@@ -78,9 +85,7 @@ def _rebind(old, new) -> None:
 def mutated_c_kernel(mutant: Mutant):
     """The C kernel compiled from the mutated source, its start-up self-check skipped (the
     self-check would refuse it: tests/test_mutants.py shows it does)."""
-    from ..kernels import native
-
-    lib = native.load(_planted(native.SOURCE.read_text(), mutant), check=False)
+    lib = vnni_library.load(_planted(vnni_library.SOURCE.read_text(), mutant), check=False)
     if lib is None:
         raise RuntimeError(f"mutant {mutant.name}: the mutated C kernel does not compile")
     return lib
@@ -88,9 +93,7 @@ def mutated_c_kernel(mutant: Mutant):
 
 def mutated_amx_kernel(mutant: Mutant):
     """The AMX kernel built with the mutated cpu_amx.c, its self-check skipped (as above)."""
-    from ..kernels import amx
-
-    lib, why = amx.load(_planted(amx.SOURCE.read_text(), mutant), check=False)
+    lib, why = amx_library.load(_planted(amx_library.SOURCE.read_text(), mutant), check=False)
     if lib is None:
         raise RuntimeError(f"mutant {mutant.name}: the mutated AMX kernel does not build or "
                            f"run: {why.why}")
@@ -121,12 +124,10 @@ def source(module) -> str:
 def runs_here(mutant: Mutant) -> bool:
     """C mutants, and those of the code only the C kernel runs, need the C kernel (AVX-512 VNNI
     and a compiler); the AMX kernel's, the AMX kernel (real or emulated tiles)."""
-    from ..kernels import amx, native
-
     if mutant.target == AMX_KERNEL:
-        return amx.library() is not None
-    needs_c = mutant.target == C_KERNEL or mutant.target.startswith("exactness.kernels.native:")
-    return not needs_c or native.library() is not None
+        return amx_library.library() is not None
+    needs_c = mutant.target == C_KERNEL or mutant.target.split(":")[0] in C_ONLY
+    return not needs_c or vnni_library.library() is not None
 
 
 @contextmanager
@@ -137,14 +138,10 @@ def applied(mutant: Mutant) -> Iterator[None]:
     Restoring sweeps for the mutant again, so a module first imported inside the block (and so
     bound to the mutant) is put right too.
     """
-    from ..kernels import native
-
-    native.library()  # load and self-check the C kernel with the real code, as at start-up
+    vnni_library.library()  # load and self-check the C kernel with the real code, as at start-up
     if mutant.target in (C_KERNEL, AMX_KERNEL):
-        from ..kernels import amx
-
-        module, build = ((amx, mutated_amx_kernel) if mutant.target == AMX_KERNEL
-                         else (native, mutated_c_kernel))
+        module, build = ((amx_library, mutated_amx_kernel) if mutant.target == AMX_KERNEL
+                         else (vnni_library, mutated_c_kernel))
         module.library()  # the real one first, as above
         lib, original_library = build(mutant), module.library
         module.library = lambda: lib
@@ -389,9 +386,11 @@ TRITON, TRITON_VECTORS = equivalence("triton-group"), vectors("triton-group")
 FOLDED = "tests/test_modules.py::test_triton_folded_path_matches_reference"
 FOLDED_VECTORS = vectors("triton-folded")
 SPANS, SPANS_VECTORS = equivalence("vnni-spans"), vectors("vnni-spans")
-KERNEL = triton_at(triton_exact, "exact_group_kernel")
-C_KERNEL = source(native)
-AMX_KERNEL = source(amx)
+KERNEL = triton_at(triton_group, "exact_group_kernel")
+C_KERNEL = source(vnni_library)
+AMX_KERNEL = source(amx_library)
+# the modules whose code only the C kernel runs: their mutants need it built
+C_ONLY = (vnni_layout.__name__, vnni_calls.__name__)
 AMX, AMX_VECTORS = equivalence("amx"), vectors("amx")
 BATCH = "tests/test_modules.py::test_batch_and_permutation_invariance"
 QUANTIZE_SLICES = "tests/test_modules.py::test_the_quantize_kernel_at_any_slicing_and_tile"
@@ -429,7 +428,7 @@ CATALOGUE = (
            "fields = tl.arange(0, per_word) * W_BITS",
            "fields = (per_word - 1 - tl.arange(0, per_word)) * W_BITS",
            "nibble order reversed in the kernel's unpack", (TRITON, TRITON_VECTORS)),
-    Mutant("kernel-high-nibble-sign-extended", triton_at(triton_exact, "unpack_fields"),
+    Mutant("kernel-high-nibble-sign-extended", triton_at(triton_integers, "unpack_fields"),
            "((words[:, :, None] >> shifts[None, None, :]) & ((1 << W_BITS) - 1))",
            "(words[:, :, None] >> shifts[None, None, :])",
            "sign of the high nibble kept by an arithmetic shift (compressed-tensors review)",
@@ -449,15 +448,15 @@ CATALOGUE = (
            "f = tl.load(f_ptr + offs_n * stride_fn + g, mask=mask_n, other=0)",
            "f = tl.load(f_ptr + offs_n * stride_fn + tl.maximum(g - 1, 0), mask=mask_n, other=0)",
            "group g's scale applied to group g + 1", (TRITON, TRITON_VECTORS)),
-    Mutant("tile-of-64-with-one-scale", at(cpu.fold),
+    Mutant("tile-of-64-with-one-scale", at(gemm.fold),
            "scale[:, :, None]", "scale[:, (torch.arange(k // GROUP_SIZE) // 2) * 2, None]",
            "one group's scale applied to a whole tile wider than the group (vLLM triton w4a16)",
            (GEMM, GEMM_VECTORS)),
-    Mutant("vnni-scale-of-the-neighbour-group", at(native.NativeWeights.__init__),
+    Mutant("vnni-scale-of-the-neighbour-group", at(vnni_layout.NativeWeights.__init__),
            "pad(factor.to(torch.int32)", "pad(factor.roll(1, dims=1).to(torch.int32)",
            "group g's scale applied to group g + 1 in the derived layout (the span kernel's)",
            (SPANS, SPANS_VECTORS)),
-    Mutant("vnni-rows-interleaved-wrong", at(native.NativeWeights.__init__),
+    Mutant("vnni-rows-interleaved-wrong", at(vnni_layout.NativeWeights.__init__),
            ".permute(0, 2, 1, 3)", ".permute(0, 2, 1, 3).flip(2)",
            "weight rows swapped inside a 16-row vector block of the derived layout",
            (SPANS, SPANS_VECTORS)),
@@ -475,7 +474,7 @@ CATALOGUE = (
            "tl.where(g_start == 0, LIMB_OFFSET, 0)", "LIMB_OFFSET",
            "split K: the limb offset's sum added by every slice of K instead of the first",
            (TRITON, "tests/test_modules.py::test_the_group_kernels_k_split_changes_no_bit")),
-    Mutant("kernel-offset-sum-of-biased-fields", triton_at(triton_exact, "offset_sums"),
+    Mutant("kernel-offset-sum-of-biased-fields", triton_at(triton_group, "offset_sums"),
            "group_sums = word_sums.reshape(n, -1, w_bits).sum(-1) - GROUP_SIZE * 2 ** (w_bits - 1)",
            "group_sums = word_sums.reshape(n, -1, w_bits).sum(-1)",
            "the limb offset's sum taken over the stored fields (q + 8), not q",
@@ -486,33 +485,33 @@ CATALOGUE = (
            ("tests/test_modules.py::test_the_triton_kernels_at_8_bit_weights[triton-group]",
             TRITON)),
     # the Triton kernels at 32-bit activations: four limbs, P' in two int32 halves
-    Mutant("kernel-32-top-limb-from-the-third", triton_at(triton_exact, "group_sums"),
+    Mutant("kernel-32-top-limb-from-the-third", triton_at(triton_group, "group_sums"),
            "limb_dot(a_ptrs, 3 * stride_limb", "limb_dot(a_ptrs, 2 * stride_limb",
            "the top activation limb read from the plane of the one below it (a limb dropped)",
            (TRITON_VECTORS, TRITON, ACT32_KERNELS + "[triton-group]")),
-    Mutant("kernel-32-high-half-place-off", triton_at(triton_exact, "group_term"),
+    Mutant("kernel-32-high-half-place-off", triton_at(triton_group, "group_term"),
            "f.to(COMBINE_ACC)[None, :]) << 16", "f.to(COMBINE_ACC)[None, :]) << 8",
            "the high pair of limbs at 2**8, not 2**16: a limb's place value off by one",
            (TRITON_VECTORS, TRITON, ACT32_KERNELS + "[triton-group]")),
-    Mutant("kernel-32-group-sum-in-int32", triton_at(triton_exact, "group_term"),
+    Mutant("kernel-32-group-sum-in-int32", triton_at(triton_group, "group_term"),
            "term += (p_hi.to(COMBINE_ACC) * f.to(COMBINE_ACC)[None, :]) << 16",
            "term += (p_hi << 16).to(COMBINE_ACC) * f.to(COMBINE_ACC)[None, :]",
            "a group's high half placed in int32, where 32-bit activations need int64: it wraps",
            (TRITON_VECTORS, TRITON, ACT32_KERNELS + "[triton-group]")),
     # --- accumulators
-    Mutant("kernel-int32-combine", triton_at(triton_exact, "group_constants"),
+    Mutant("kernel-int32-combine", triton_at(triton_group, "group_constants"),
            "COMBINE_ACC=TRITON_INT[dataflow.COMBINE_ACC_BITS]",
            "COMBINE_ACC=TRITON_INT[32]",
            "an int32 accumulator where the contract needs int64",
            (TRITON, "tests/test_modules.py::test_full_kimi_sizes[triton-16]")),
-    Mutant("cpu-limb-shift-dropped", at(cpu.accumulate),
+    Mutant("cpu-limb-shift-dropped", at(gemm.accumulate),
            "<< (dataflow.LIMB_BITS * (i + j))", "<< (dataflow.LIMB_BITS * i)",
            "a limb's place value lost when combining int8 GEMMs", (GEMM, GEMM_VECTORS)),
     Mutant("wide-int32-group-sum", at(wide.linear_rows),
            "{32: torch.int32, 64: torch.int64}", "{32: torch.int32, 64: torch.int32}",
            "an int32 group sum where 32-bit activations need int64",
            (equivalence("wide"), vectors("wide"))),
-    Mutant("float64-half-place-value-lost", "exactness.kernels.cpu:accumulate_float64",
+    Mutant("float64-half-place-value-lost", at(gemm.accumulate_float64),
            "(parts[0] << dataflow.HALF_BITS)", "parts[0]",
            "the high half's place value lost when recombining the float64 GEMMs",
            (equivalence("float64-gemm"), vectors("float64-gemm"))),
@@ -525,7 +524,7 @@ CATALOGUE = (
            "2 ** (LIMB_BITS * (limbs - 1))", "2 ** (LIMB_BITS * (limbs - 1) - 1)",
            "a limb's place value off by one bit in the offset that centres the limbs",
            (LIMBS_32, GEMM)),
-    Mutant("limb-saturates", "exactness.dataflow:int8_digits",
+    Mutant("limb-saturates", at(dataflow.int8_digits),
            "low = ((rest + 128) & 255) - 128", "low = rest.clamp(-128, 127)",
            "saturating instead of splitting into limbs", (GEMM, equivalence("int64-matmul"))),
     Mutant("overflow-wraps-instead-of-inf", at(formats.round_scaled_array),
@@ -554,7 +553,7 @@ CATALOGUE = (
            "round on the guard bit alone: every value past half an ulp is treated as a tie",
            (AGREEMENT, "tests/test_formats.py::test_round_array_matches_scalar_near_ties",
             VECTORS), every_killer=True),
-    Mutant("double-rounding-through-fp32", at(cpu.forward),
+    Mutant("double-rounding-through-fp32", at(gemm.forward),
            "return bits_to_tensor(round_scaled_array(t, e, out_format), out_format)",
            "return torch.ldexp(t.double(), e.double()).float().to(x.dtype)",
            "the exact integer rounded to fp32, then to bf16 (Marlin epilogue, OpenVINO)",
@@ -571,7 +570,7 @@ CATALOGUE = (
            "return torch.round(scaled / 2).to(torch.int32), e_r + 1",
            "activation scale exponent one too large: a bit of precision lost",
            (GEMM, GEMM_VECTORS)),
-    Mutant("negative-zero-for-exact-zero", at(cpu.forward),
+    Mutant("negative-zero-for-exact-zero", at(gemm.forward),
            "return bits_to_tensor(round_scaled_array(t, e, out_format), out_format)",
            "return bits_to_tensor(torch.where(t == 0, out_format.sign_bit, "
            "round_scaled_array(t, e, out_format)), out_format)",
@@ -582,44 +581,44 @@ CATALOGUE = (
            "one activation scale for the whole batch: a row's bits depend on the others",
            (GEMM, GEMM_VECTORS)),
     # --- the Triton kernels' quantization and rounding
-    Mutant("kernel-rounding-ties-away", triton_at(triton_exact, "rne_shift_right"),
+    Mutant("kernel-rounding-ties-away", triton_at(triton_integers, "rne_shift_right"),
            "((rem == half) & ((n & 1) == 1))", "(rem == half)",
            "the Triton epilogue's ties rounded away from zero instead of to even",
            ("tests/test_modules.py::test_final_rounding_near_ties[triton-group]", TRITON)),
-    Mutant("kernel-activation-exponent-too-small", triton_at(triton_exact, "quantize_kernel"),
+    Mutant("kernel-activation-exponent-too-small", triton_at(triton_quantize, "quantize_kernel"),
            "ae + t0 + tl.where(fits, 0, 1)", "ae + t0",
            "the Triton quantization's row exponent one too small where the maximum needs the next",
            (TRITON, TRITON_VECTORS)),
-    Mutant("kernel-row-exponent-of-the-slice", triton_at(triton_exact, "quantize_kernel"),
+    Mutant("kernel-row-exponent-of-the-slice", triton_at(triton_quantize, "quantize_kernel"),
            "for k0 in tl.range(0, K, BLOCK_K, loop_unroll_factor=4):",
            "for k0 in tl.range(tl.program_id(1) * slice_k,"
            " tl.minimum(K, (tl.program_id(1) + 1) * slice_k), BLOCK_K, loop_unroll_factor=4):",
            "each slice of K of the Triton quantization takes its rows' exponents from its own "
            "slice, not the whole row", (QUANTIZE_SLICES,)),
-    Mutant("kernel-infinity-not-flagged", triton_at(triton_exact, "quantize_kernel"),
+    Mutant("kernel-infinity-not-flagged", triton_at(triton_quantize, "quantize_kernel"),
            "(row_max >= ((1 << EXP) - 1) << MANT)", "(row_max > ((1 << EXP) - 1) << MANT)",
            "the Triton quantization flags rows holding NaN but not rows holding an infinity, "
            "which then goes through the grouped MoE call as a number",
            ("tests/test_moe.py::test_a_non_finite_input_gives_the_loops_nan_rows_or_its_error"
             "[triton]",)),
     Mutant("launch-blocks-read-the-first-rows",
-           at(triton_exact._TritonKernel.launches),
+           at(triton_layer._TritonKernel.launches),
            "quantize(rows, weights.act_bits)",
            "quantize(x[:len(rows)], weights.act_bits)",
            "each block of rows launched to keep offsets in int32 reads the first block's rows "
            "(the block's offset not carried into its launch)",
            ("tests/test_modules.py::test_launches_in_blocks_of_rows_match_reference",)),
-    Mutant("kernel-output-sign-dropped", triton_at(triton_exact, "round_scaled"),
+    Mutant("kernel-output-sign-dropped", triton_at(triton_integers, "round_scaled"),
            "bits = bits | tl.where(m < 0, (a * 0 + 1) << (MANT + EXP), 0)", "bits = bits",
            "the sign bit not set on negative outputs in the Triton epilogue",
            (TRITON_VECTORS, TRITON)),
     # --- the GPU's folded path (many rows): fold_kernel's digits, combine_kernel's place values
-    Mutant("kernel-folded-digit-carry-lost", triton_at(triton_exact, "fold_kernel"),
+    Mutant("kernel-folded-digit-carry-lost", triton_at(triton_folded, "fold_kernel"),
            "v = (v - low) >> 8", "v = v >> 8",
            "a folded weight's next digit taken without the borrow of a negative low digit",
            (FOLDED, FOLDED_VECTORS)),
     Mutant("kernel-folded-weight-digit-place-dropped",
-           triton_at(triton_exact, "combine_kernel"),
+           triton_at(triton_folded, "combine_kernel"),
            "t += z.to(tl.int64) << (8 * (i + j))", "t += z.to(tl.int64) << (8 * i)",
            "a weight digit's place value lost when combining the limb GEMMs",
            (FOLDED, FOLDED_VECTORS)),
@@ -752,7 +751,7 @@ CATALOGUE = (
            "bits = _mm512_maskz_mov_epi64(~subnormal, bits);",
            "subnormal results flushed to zero (FTZ)", (CPU_VECTORS, CPU)),
     # --- the span kernel (16-bit activations, 4-bit weights)
-    Mutant("span-bound-doubled", at(native.span_scales),
+    Mutant("span-bound-doubled", at(vnni_layout.span_scales),
            "fits = ((tot // div <= limit)", "fits = ((tot // div <= 2 * limit)",
            "a span's int32 bound off by a factor of two: two extreme groups share a span and wrap",
            (SPANS_EDGE, SPANS_CHAIN + "[one-step-past-k1-k3]")),
@@ -761,7 +760,7 @@ CATALOGUE = (
            "_mm512_srai_epi64(_mm512_slli_epi64(d, 32), 32)",
            "a span's sum added without its power of two (the even rows' scale exponent lost)",
            (SPANS, SPANS_VECTORS)),
-    Mutant("span-chain-bound-doubled", at(native.span_scales),
+    Mutant("span-chain-bound-doubled", at(vnni_layout.span_scales),
            "(c.abs() * chain_sum <= limit)", "(c.abs() * chain_sum <= 2 * limit)",
            "an unshifted block's chain bound off by a factor of two: a chain wraps",
            (SPANS_EDGE, SPANS_CHAIN + "[one-step-past-k0-k2]")),
@@ -797,7 +796,7 @@ CATALOGUE = (
            "where a span ends after the first group of a step, the second group is never taken",
            (AMX, AMX_VECTORS)),
     # --- inputs the suite did not generate (issue 23)
-    Mutant("int-mm-exactness-trusted", at(cpu._GemmKernel.available),
+    Mutant("int-mm-exactness-trusted", at(gemm._GemmKernel.available),
            "if self.int8 and not int_mm_exact():", "if False:",
            "torch._int_mm trusted without the check of its exactness: on a CPU whose int8 GEMM "
            "runs through fp32, wrong sums",
@@ -861,11 +860,11 @@ CATALOGUE = (
            ("tests/test_load.py::test_a_rank_loads_its_experts_and_refuses_tokens_for_the_"
             "others[copied-per-expert]",
             "tests/test_load.py::test_a_predicate_takes_any_subset_and_the_fused_layout_too[k2]")),
-    Mutant("span-chain-bound-of-the-first-chain", at(native.span_scales),
+    Mutant("span-chain-bound-of-the-first-chain", at(vnni_layout.span_scales),
            "chains[0] + chains[1], torch.maximum(*chains)", "chains[0] + chains[1], chains[0]",
            "an unshifted block certified on one of its two chains: the other wraps",
            (SPANS_CHAIN + "[one-step-past-k1-k3]",)),  # weak by design: the other three pass
-    Mutant("nibble-layout-past-four-bits", at(native.NativeWeights.__init__),
+    Mutant("nibble-layout-past-four-bits", at(vnni_layout.NativeWeights.__init__),
            "q8.max() <= 7", "q8.max() <= 8",
            "the C kernel's nibble layout taken for weights one past 4 bits: an 8 spills into "
            "its neighbour's nibble",

@@ -22,8 +22,10 @@ import torch
 
 from ..contract import BFLOAT16, GROUP_SIZE
 from ..formats import bits_to_tensor, tensor_to_bits, torch_dtype
-from ..kernels import REGISTRY, triton_exact
+from ..kernels import REGISTRY
 from ..kernels.registry import by_name
+from ..kernels.triton import launch as triton_launch
+from ..kernels.triton import layer as triton_layer
 from .cases import LinearCase
 from .reference import oracle_linear, reference_linear
 
@@ -33,7 +35,7 @@ PATHS = ("oracle", "reference", *BACKENDS, *(kernel.name for kernel in REGISTRY)
 
 def triton_device() -> str | None:
     """Where the Triton kernels can run here: 'cuda', 'cpu' (interpreter), or None."""
-    if not triton_exact.available():
+    if not triton_launch.available():
         return None
     if torch.cuda.is_available():
         return "cuda"
@@ -67,7 +69,7 @@ def expected_here(kernel: str) -> bool:
     its own tiles'."""
     import shutil
 
-    from ..kernels import amx
+    from ..kernels.cpu import amx
 
     if by_name(REGISTRY, kernel).layout != "vnni":
         return False
@@ -93,12 +95,12 @@ class CBuild(NamedTuple):
 
 def _c_builds() -> tuple[CBuild, CBuild]:
     """The VNNI kernel's build, then the AMX tiles', which rest on it."""
-    from ..kernels import amx, native
+    from ..kernels.cpu import amx_library, vnni_library
 
-    return (CBuild("the C kernel", "EXACTNESS_NATIVE", native.MODES, native.mode,
-                   native.missing_features),
-            CBuild("the AMX kernel's tiles", "EXACTNESS_AMX", amx.MODES, amx.mode,
-                   amx.missing_features))
+    return (CBuild("the C kernel", "EXACTNESS_NATIVE", vnni_library.MODES, vnni_library.mode,
+                   vnni_library.missing_features),
+            CBuild("the AMX kernel's tiles", "EXACTNESS_AMX", amx_library.MODES, amx_library.mode,
+                   amx_library.missing_features))
 
 
 def emulate_the_c_kernel_where_missing() -> str:
@@ -178,7 +180,7 @@ def held_act_bits(path: str) -> tuple[int, ...]:
 
     if path not in PATHS or path in ("oracle", "reference", "cpu"):
         return ACT_BITS
-    kernel = triton_exact.GROUP if path == "triton" else by_name(REGISTRY, path)
+    kernel = triton_layer.GROUP if path == "triton" else by_name(REGISTRY, path)
     return tuple(a for a in ACT_BITS
                  if kernel.eligible(1, ExactLinear(GROUP_SIZE, 1, a).weights()))
 

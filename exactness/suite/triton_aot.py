@@ -29,7 +29,11 @@ from dataclasses import asdict, dataclass, field
 
 from .. import dataflow
 from ..contract import FORMATS
-from ..kernels import triton_exact, triton_grouped
+from ..kernels.triton import folded as triton_folded
+from ..kernels.triton import group as triton_group
+from ..kernels.triton import grouped as triton_grouped
+from ..kernels.triton import launch as triton_launch
+from ..kernels.triton import quantize as triton_quantize
 
 ARCHS = (80, 90)  # A100, H100/H200
 # an int8 x int8 -> int32 tensor-core MMA: mma.sync (sm_80 on), or Hopper's warpgroup wgmma,
@@ -59,7 +63,7 @@ class Compiled:
 
 
 def _argument_types(kernel: str, width: int, z: str = "*i32") -> dict:
-    """The launchers' runtime arguments (triton_exact.quantize / linear) as Triton types."""
+    """The launchers' runtime arguments (triton_quantize.quantize / linear) as Triton types."""
     if kernel == "quantize_kernel":
         return dict(x_ptr=f"*i{width}", a_ptr="*i8", e_ptr="*i64", nonfinite_ptr="*i8",
                     M="i32", K="i32", slice_k="i32", stride_xm="i32", stride_limb="i32")
@@ -80,6 +84,15 @@ def _argument_types(kernel: str, width: int, z: str = "*i32") -> dict:
                 stride_fn="i32", stride_ym="i32")
 
 
+def kernels() -> dict:
+    """Every Triton kernel this tool compiles, by name (Triton must be installed)."""
+    return {"quantize_kernel": triton_quantize.quantize_kernel,
+            "exact_group_kernel": triton_group.exact_group_kernel,
+            "fold_kernel": triton_folded.fold_kernel,
+            "combine_kernel": triton_folded.combine_kernel,
+            "grouped_kernel": triton_grouped.grouped_kernel}
+
+
 def configurations(quick: bool = False) -> list[tuple[str, str, dict, dict]]:
     """(kernel, description, argument types, constants) for every launch the layer makes;
     `quick`: the Kimi case (bf16, 16-bit activations, 4-bit weights), and one limb unsplit."""
@@ -88,12 +101,12 @@ def configurations(quick: bool = False) -> list[tuple[str, str, dict, dict]]:
     for fmt in formats:
         for act_bits in (16,) if quick else (4, 8, 16, 32):
             for rows in (1, 16):  # quantize_tile's tiles from one row to BLOCK_M (the same code)
-                tile = triton_exact.quantize_tile(
-                    rows, triton_exact.quant_tile(act_bits, triton_exact.GPU_QUANT_TILE))
+                tile = triton_quantize.quantize_tile(
+                    rows, triton_quantize.quant_tile(act_bits, triton_quantize.GPU_QUANT_TILE))
                 configs.append(("quantize_kernel", f"x {fmt.name}, act_bits {act_bits}, "
                                 f"{tile[0]} x {tile[1]}",
                                 _argument_types("quantize_kernel", fmt.width),
-                                triton_exact.quantize_constants(fmt, act_bits, *tile)))
+                                triton_quantize.quantize_constants(fmt, act_bits, *tile)))
     for w_bits in (4,) if quick else (4, 8):
         for limbs in (1, 2) if quick else (1, 2, 4):
             for out in formats:
@@ -102,14 +115,14 @@ def configurations(quick: bool = False) -> list[tuple[str, str, dict, dict]]:
                                     f"w_bits {w_bits}, {limbs} limb(s), "
                                     f"out {out.name}{', split K' * split}",
                                     _argument_types("exact_group_kernel", out.width),
-                                    triton_exact.group_constants(w_bits, limbs, out,
-                                                                 triton_exact.GPU_BLOCK_N,
+                                    triton_group.group_constants(w_bits, limbs, out,
+                                                                 triton_group.GPU_BLOCK_N,
                                                                  split=split)))
     for out in formats:  # the split launches' rounding
         configs.append(("combine_kernel", f"split K: T int64, out {out.name}",
                         _argument_types("combine_kernel", out.width, z="*i64"),
-                        triton_exact.combine_constants(
-                            1, 1, out, triton_exact.GPU_COMBINE_BLOCK)))
+                        triton_folded.combine_constants(
+                            1, 1, out, triton_folded.GPU_COMBINE_BLOCK)))
     # linear_folded's kernels, at every digit count the certificate allows (quick: the Kimi case,
     # two digits for spreads up to 3, 16-bit activations)
     most = max(dataflow.folded_weight_limbs(b, dataflow.max_folded_spread(b)) for b in (4, 8))
@@ -118,14 +131,14 @@ def configurations(quick: bool = False) -> list[tuple[str, str, dict, dict]]:
         for w_limbs in digits:
             configs.append(("fold_kernel", f"w_bits {w_bits}, {w_limbs} digits",
                             _argument_types("fold_kernel", 32),
-                            triton_exact.fold_constants(w_bits, w_limbs, *triton_exact.GPU_FOLD)))
+                            triton_folded.fold_constants(w_bits, w_limbs, *triton_folded.GPU_FOLD)))
     for a_limbs in (2,) if quick else (1, 2):
         for w_limbs in digits:
             for out in formats:
                 configs.append(("combine_kernel", f"{a_limbs} x {w_limbs} limbs, out {out.name}",
                                 _argument_types("combine_kernel", out.width),
-                                triton_exact.combine_constants(
-                                    a_limbs, w_limbs, out, triton_exact.GPU_COMBINE_BLOCK)))
+                                triton_folded.combine_constants(
+                                    a_limbs, w_limbs, out, triton_folded.GPU_COMBINE_BLOCK)))
     # the grouped MoE kernel: gate and up (two parts, rows gathered by token), down (one part)
     for w_bits in (4,) if quick else (4, 8):
         for act_bits in (16,) if quick else (8, 16, 32):
@@ -137,8 +150,8 @@ def configurations(quick: bool = False) -> list[tuple[str, str, dict, dict]]:
                                     _argument_types("grouped_kernel", out.width),
                                     triton_grouped.grouped_constants(
                                         w_bits, act_bits, 7168 if parts == 2 else 2048, out,
-                                        parts, gather, triton_exact.BLOCK_M,
-                                        triton_exact.GPU_BLOCK_N)))
+                                        parts, gather, triton_launch.BLOCK_M,
+                                        triton_group.GPU_BLOCK_N)))
     return configs
 
 
@@ -233,13 +246,13 @@ def compile_kernel(fn, types: dict, constants: dict, arch: int, name: str = "",
 
 
 def tuning_configurations() -> list[tuple[str, str, dict, dict, int]]:
-    """The group kernel at triton_exact.TUNING_TILES (bf16 out, 4-bit weights, two limbs: the
+    """The group kernel at triton_group.TUNING_TILES (bf16 out, 4-bit weights, two limbs: the
     Kimi case), as configurations plus num_warps."""
     bf16 = FORMATS["bfloat16"]
     return [("exact_group_kernel", f"{bm} x {bn}, {warps} warps",
              _argument_types("exact_group_kernel", bf16.width),
-             triton_exact.group_constants(4, 2, bf16, bn, bm), warps)
-            for bm, bn, warps in triton_exact.TUNING_TILES]
+             triton_group.group_constants(4, 2, bf16, bn, bm), warps)
+            for bm, bn, warps in triton_group.TUNING_TILES]
 
 
 def compile_all(archs=ARCHS, quick: bool = False, tiles: bool = False,
@@ -250,8 +263,7 @@ def compile_all(archs=ARCHS, quick: bool = False, tiles: bool = False,
     records = []
     for arch in archs:
         for kernel, config, types, constants, warps in configs:
-            source = triton_grouped if kernel == "grouped_kernel" else triton_exact
-            records.append(compile_kernel(getattr(source, kernel), types, constants, arch,
+            records.append(compile_kernel(kernels()[kernel], types, constants, arch,
                                           kernel, config,
                                           kernel in ("exact_group_kernel", "grouped_kernel"),
                                           warps, aligned))
@@ -280,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tiles", action="store_true",
                         help="instead: the group kernel at the tiles bench/gpu_check.py times")
     args = parser.parse_args(argv)
-    if not triton_exact.available():
+    if not triton_launch.available():
         print("triton is not installed", file=sys.stderr)
         return 2
     records = compile_all(args.arch, args.quick, args.tiles, args.aligned)

@@ -1,6 +1,7 @@
 // The AMX tile instructions cpu_amx.c uses, in portable C, for a CPU without AMX-INT8: ldtilecfg,
 // tilerelease, tilezero, tileloadd, tilestored, tdpbusd and tdpbuud, lane by lane from Intel's
-// pseudo-code (SDM volume 2, "TDPBUSD", "TDPBUUD"). amx.py puts this file before cpu_amx.c when EXACTNESS_AMX=emulate
+// pseudo-code (SDM volume 2, "TDPBUSD", "TDPBUUD"). amx_library.py puts this file before
+// cpu_amx.c when EXACTNESS_AMX=emulate
 // (the suite sets it on a CPU without AMX), so the kernel's tiling, layouts and combine are
 // verified on every machine. The real instructions differ only in these seven, which the AMX
 // kernel's self-check covers where they run. Where the hardware would fault (a tile used before

@@ -1,6 +1,6 @@
 // The AVX-512 intrinsics cpu_vnni.c uses, in portable C, for a CPU without AVX-512 VNNI: SIMDe
 // (the simde-py package's headers) for all but the sixteen that SIMDe 0.8 lacks, written below
-// lane by lane from Intel's definitions. native.py compiles the kernel against this file in
+// lane by lane from Intel's definitions. vnni_library.py compiles the kernel against this file in
 // place of <immintrin.h> when EXACTNESS_NATIVE=emulate (the suite sets it on such a CPU). So the
 // kernel's layouts, limbs, combine and rounding are verified on every machine; the real
 // instructions differ only in these intrinsics, which the self-check covers where they run. For

@@ -1,12 +1,12 @@
 // The AMX kernel (Intel Xeon, Sapphire Rapids on): an int8 GEMM on tiles with the scales folded
-// into the weights, summed over spans of groups. amx.py appends this file to cpu_vnni.c, so the
-// quantization (row_exponents, quantize_limbs: biased u8 limbs), the weight layout
+// into the weights, summed over spans of groups. amx_library.py appends this file to cpu_vnni.c,
+// so the quantization (row_exponents, quantize_limbs: biased u8 limbs), the weight layout
 // (NativeWeights) and the one rounding (finish) are that file's.
 //
 // Per block of 16 weight rows, a span of consecutive groups shares, per row n, one base b_n: every
 // factor c = ms << shift of the row's groups in the span is a multiple of 2**b_n, and
-// f = c >> b_n fits |q * f| <= 32767 (amx.amx_spans picks the spans greedily; one group always
-// fits). The folded weights wf = q * f are split into two digits, wf = 256 * hi + lo, lo in
+// f = c >> b_n fits |q * f| <= 32767 (amx_layout.amx_spans picks the spans greedily; one group
+// always fits). The folded weights wf = q * f are split into two digits, wf = 256 * hi + lo, lo in
 // [0, 255] (u8), hi in [-128, 127] (s8) (proofs: amx-span-digits). With the activations' L biased
 // limbs u_i = a_i + 128 (qa = sum_i 256**i u_i - B, B = 2**(8 L - 1)):
 //     D_ij = sum_{k in span} u_i[k] * digit_j[k]       (tdpbuud for lo, tdpbusd for hi)
@@ -70,10 +70,11 @@ static void configure_tiles(int rows) {
     LDTILECFG(cfg);
 }
 
-// What the AMX kernel reads of a layer (amx.AmxLayer): cpu_vnni.c's weights w (NativeWeights) and
-// the spans (amx.amx_spans): f [Np/16][G][16] int16 in lane order; base [Np/16][G][16] int8 in row
-// order (its span's b_n, read at span ends); ends [Np/16][G] uint8, 1 where a span ends; rsum [Np]
-// int64 R = sum_k q * c in row order; emin [Np] for the rounding.
+// What the AMX kernel reads of a layer (amx_layout.AmxLayer): cpu_vnni.c's weights w
+// (NativeWeights) and the spans (amx_layout.amx_spans): f [Np/16][G][16] int16 in lane order;
+// base [Np/16][G][16] int8 in row order (its span's b_n, read at span ends); ends [Np/16][G]
+// uint8, 1 where a span ends; rsum [Np] int64 R = sum_k q * c in row order; emin [Np] for the
+// rounding.
 typedef struct {
     const uint8_t *w;
     const int16_t *f;

@@ -3,7 +3,7 @@
 // registers (round8_normal, round8 where it does not apply; round_rows is the same rounding as a
 // pass of its own, for the self-check). The integers are dataflow.py's. Two
 // accumulation kernels: exact_linear_vnni (below: int8 limbs, any weights, any batch) and, for
-// 16-bit activations against 4-bit weights from native.SPAN_MIN_ROWS rows on, exact_linear_spans
+// 16-bit activations against 4-bit weights from vnni.SPAN_MIN_ROWS rows on, exact_linear_spans
 // (further down: whole int16 activations, scales folded into s16 weights, blocks of 16 weight rows
 // combined per group without shifts, or per span of groups).
 //
@@ -18,7 +18,7 @@
 // (proofs: vnni-recombine, vnni-four-limbs), where the corrected limb's sum starts at the
 // correction instead of 0; then T += P * c in int64 (c = ms << shift, an int32: vpmuldq's signed
 // 32 x 32 -> 64 is exact), with four limbs as (P_hi * c << 16) + P_lo * c (vnni-four-limb-terms).
-// The limbs are the bytes of qa + 2**(8 L - 1) (native.biased_limbs), L = 1, 2 or 4.
+// The limbs are the bytes of qa + 2**(8 L - 1) (vnni_layout.biased_limbs), L = 1, 2 or 4.
 // Layouts: weights in blocks of 16 rows, [Np/16][K/4][16][4] int8, or, when every weight fits 4
 // bits, [Np/16][K/8][16][4] bytes holding the 4-bit pairs (q_j + 8) | (q_{j+1} + 8) << 4 of
 // consecutive 4-k steps j, j + 1 (half the bytes to stream). Lane 2i of block b is weight row
@@ -292,7 +292,7 @@ void exact_linear_vnni(const uint8_t *limb_planes, const uint8_t *w, const int32
 // 4-k step, the pairs (k0, k2) and (k1, k3) of every lane (lanes in LANE_ROWS order, as above).
 // vpdpwssd (s16 x s16, pairs summed into s32, wrapping) sums each row's pairs (k0, k2) and
 // (k1, k3) in two int32 chains. Each block of 16 weight rows is one of two kinds, certified when
-// the weights load (native.span_scales):
+// the weights load (vnni_layout.span_scales):
 // - unshifted (unshifted[b] = 1): f = c = ms << shift itself, and every chain of every group
 //   holds 32767 * |f| * sum |q| < 2**31. The even lanes' chains start at 2**31, so each 64-bit
 //   lane of a chain's sums reads V = hi * 2**32 + lo + 2**31 exactly, and per group, without a
@@ -549,10 +549,10 @@ void round_rows(const int64_t *t, int64_t ld, const int64_t *e_r, const int64_t 
 }
 
 // What a grouped call reads of a layer, one of two kinds:
-// - in place (packed set: native.InPlace, a forward's): the checkpoint's live buffers, each block
-//   of 16 weight rows built by prepare_block as its thread reaches it; emin and flags are this
-//   forward's outputs.
-// - derived (packed NULL: native.NativeWeights.layer): the two accumulation kernels' layouts
+// - in place (packed set: vnni_layout.InPlace, a forward's): the checkpoint's live buffers, each
+//   block of 16 weight rows built by prepare_block as its thread reaches it; emin and flags are
+//   this forward's outputs.
+// - derived (packed NULL: vnni_layout.NativeWeights.layer): the two accumulation kernels' layouts
 //   built ahead, emin given. f, rsh, ends and unshifted are NULL until the span kernel first runs.
 typedef struct {
     const uint8_t *w;
@@ -803,15 +803,15 @@ static void grouped_tiles(const Grouped *gr, const int16_t *words, const uint8_t
     }
 }
 
-// native.grouped (and native.linear, one expert of one part) in one call (Python between the
-// passes cost more than the passes' own bookkeeping, measured): x [M, K] (format 0 bf16, 1 fp16,
-// 2 fp32, of mant_x and expo_x bits) quantized once, as the words the span kernel reads and the
-// `limbs` limbs the limb kernel reads (quantize_limbs modes 0 and `limbs`), each only where an
-// expert reads it; then every expert's routed rows, rounded once into y (mant, expo). The
-// quantized x goes into `scratch` where its scratch_bytes hold it (a caller that keeps one across
-// calls saves the page faults of a fresh allocation), else into one of its own. Returns how many
-// rows of x hold a non-finite value (y unwritten then), -1 when a scratch could not be
-// allocated, or -2 when the layers mix the two kinds (in place and derived) or, in place, widths.
+// vnni_calls.grouped (and vnni_calls.linear, one expert of one part) in one call (Python between
+// the passes cost more than the passes' own bookkeeping, measured): x [M, K] (format 0 bf16, 1
+// fp16, 2 fp32, of mant_x and expo_x bits) quantized once, as the words the span kernel reads and
+// the `limbs` limbs the limb kernel reads (quantize_limbs modes 0 and `limbs`), each only where an
+// expert reads it; then every expert's routed rows, rounded once into y (mant, expo). The quantized
+// x goes into `scratch` where its scratch_bytes hold it (a caller that keeps one across calls saves
+// the page faults of a fresh allocation), else into one of its own. Returns how many rows of x hold
+// a non-finite value (y unwritten then), -1 when a scratch could not be allocated, or -2 when the
+// layers mix the two kinds (in place and derived) or, in place, widths.
 int64_t exact_grouped(const Grouped *gr, const void *x, int format, int mant_x, int expo_x,
                       int64_t qmax, int limbs, int64_t M, void *y, int mant, int expo,
                       uint8_t *scratch, int64_t scratch_bytes) {
@@ -836,7 +836,7 @@ int64_t exact_grouped(const Grouped *gr, const void *x, int format, int mant_x, 
                                     : NULL;
     if (first->packed && !blocks) return -1;
     // on 64 bytes (malloc's 16 measured 0.1 ms slower): in the caller's scratch where it holds
-    // both (native.scratch_bytes), else allocated here
+    // both (vnni_calls.scratch_bytes), else allocated here
     const int64_t words_bytes = any_spans ? (M * K * 2 + 63) / 64 * 64 : 0;
     const int64_t limbs_bytes = any_limbs ? (M * K * limbs + 63) / 64 * 64 : 0;
     const int own = !scratch || scratch_bytes < words_bytes + limbs_bytes;

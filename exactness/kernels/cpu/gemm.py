@@ -15,11 +15,11 @@ import functools
 
 import torch
 
-from .. import dataflow
-from ..contract import GROUP_SIZE, FloatFormat
-from ..formats import bits_to_tensor, check_finite_tensor, round_scaled_array
+from ... import dataflow
+from ...contract import GROUP_SIZE, FloatFormat
+from ...formats import bits_to_tensor, check_finite_tensor, round_scaled_array
+from ..registry import Fit, Weights, int8_limbs_hold, no, yes
 from .activations import quantize_rows
-from .registry import Fit, Weights, int8_limbs_hold, no, yes
 
 
 def fold(q: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:

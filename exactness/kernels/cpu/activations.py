@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ..contract import float_format
-from ..formats import float_bits
-from ..quantize import quantize_activations
+from ...contract import float_format
+from ...formats import float_bits
+from ...quantize import quantize_activations
 
 
 def quantize_rows(x: torch.Tensor, act_bits: int) -> tuple[torch.Tensor, torch.Tensor]:

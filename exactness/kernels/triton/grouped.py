@@ -22,18 +22,20 @@ from __future__ import annotations
 
 import torch
 
-from .. import dataflow
-from ..contract import FloatFormat
-from ..formats import torch_dtype
-from . import registry, triton_exact
-from .registry import Fit, Weights, int8_limbs_hold, refuse_unheld
-from .routing import Routing, route
-from .triton_exact import BIT_VIEW, BLOCK_M, BLOCK_N, TRITON_INT, triton
+from ... import dataflow
+from ...contract import FloatFormat
+from ...formats import torch_dtype
+from .. import registry
+from ..registry import Fit, Weights, int8_limbs_hold, refuse_unheld
+from ..routing import Routing, route
+from . import layer
+from .group import BLOCK_N
+from .launch import BIT_VIEW, BLOCK_M, TRITON_INT, tl, triton
+from .quantize import quantize
 
 if triton is not None:
-    import triton.language as tl
-
-    from .triton_exact import decode, group_sums, group_term, store_exact, unpack_fields
+    from .group import group_sums, group_term
+    from .integers import decode, store_exact, unpack_fields
 
     @triton.jit
     def grouped_kernel(
@@ -161,8 +163,8 @@ def grouped_launch(x: torch.Tensor, routing: Routing, experts, bits: int, act_bi
     device, k = x.device, x.shape[1]
     parts, n = len(experts[0]), experts[0][0][0].shape[0]
     limbs, e_r, nonfinite = [], [], []
-    for rows in x.split(triton_exact.rows_per_launch(k, n, act_bits)):  # int32 offsets
-        quantized = triton_exact.quantize(rows, act_bits)
+    for rows in x.split(layer.rows_per_launch(k, n, act_bits)):  # int32 offsets
+        quantized = quantize(rows, act_bits)
         for into, part in zip((limbs, e_r, nonfinite), quantized, strict=True):
             into.append(part)
     limbs = limbs[0] if len(limbs) == 1 else torch.cat(limbs, 1)
@@ -189,7 +191,7 @@ class _TritonGroupedKernel:
     act_limbs = dataflow.GROUP_ACT_LIMBS
 
     def available(self, device: torch.device) -> Fit:
-        return triton_exact.GROUP.available(device)
+        return layer.GROUP.available(device)
 
     def eligible(self, rows: int, weights: Weights) -> Fit:
         return int8_limbs_hold(weights.act_bits, self.act_limbs)
@@ -199,7 +201,7 @@ class _TritonGroupedKernel:
 
     def run(self, x, weights: Weights, prepared: dict, out_format: FloatFormat):
         if registry.capturing(x):
-            return triton_exact.GROUP.run(x, weights, prepared, out_format)  # which refuses it
+            return layer.GROUP.run(x, weights, prepared, out_format)  # which refuses it
         if x.device not in prepared:
             prepared[x.device] = torch.tensor([weights.n, weights.k], device=x.device)
         one = route(torch.zeros((x.shape[0], 1), dtype=torch.int64, device=x.device), 1)

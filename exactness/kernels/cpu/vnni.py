@@ -1,0 +1,106 @@
+"""cpu_vnni.c's kernels, as the registry sees them: the limb kernel (any widths, the layer's
+buffers read in place), the span kernel (16-bit activations as int16 words, 4-bit weights) and
+the grouped call (an MoE layer's routed experts in one call). Each is one call of exact_grouped
+(vnni_calls.py); the library is loaded and judged by vnni_library.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import dataflow
+from ...contract import FloatFormat
+from ...formats import torch_dtype
+from ..registry import Fit, Weights, int8_limbs_hold, no, refuse_unheld, warn_fallback, yes
+from . import vnni_library
+from .vnni_calls import grouped, linear, scratch_bytes
+from .vnni_layout import InPlace, NativeWeights
+
+SPAN_MIN_ROWS = 24  # from here on the span kernel is faster (measured: docs/PERFORMANCE.md)
+
+
+class _VnniKernel:
+    """cpu_vnni.c's one-call path (exact_grouped, one expert), through the limb or the span
+    kernel."""
+
+    family, layout, grouped = "cpu", "vnni", False
+    act_limbs = dataflow.GROUP_ACT_LIMBS
+
+    def __init__(self, name: str, spans: bool, min_rows: int, auto: bool = True):
+        self.name, self.spans, self.min_rows, self.auto = name, spans, min_rows, auto
+
+    def available(self, device: torch.device) -> Fit:
+        if device.type != "cpu":
+            return no(f"it runs on the CPU, x is on {device}")
+        lib, why = vnni_library.status()
+        if lib is None:
+            warn_fallback("the C kernel (AVX-512 VNNI)", why.why)
+        return why
+
+    def eligible(self, rows: int, weights: Weights) -> Fit:
+        held = int8_limbs_hold(weights.act_bits, self.act_limbs)
+        if not held:
+            return held
+        if self.spans and not (weights.act_bits == 16 and weights.bits == 4):
+            return no(f"it takes 16-bit activations and 4-bit weights, not act_bits "
+                      f"{weights.act_bits} and {weights.bits}-bit weights")
+        return yes("16-bit activations as int16 words" if self.spans else "any widths")
+
+    def prepare(self, weights: Weights) -> InPlace | NativeWeights:
+        """The live buffers, read in place; the span kernel's layout and scales, derived for this
+        forward in Python (slow: it is taken only when asked for)."""
+        if self.spans:
+            return NativeWeights(weights.q(), weights.certificate.factor.cpu())
+        return InPlace(weights)
+
+    def run(self, x, weights: Weights, prepared: InPlace | NativeWeights,
+            out_format: FloatFormat):
+        if self.spans:
+            return linear(x, weights.act_bits, prepared, weights.certificate.emin, out_format,
+                          spans=True)
+        y = linear(x, weights.act_bits, prepared, None, out_format)
+        weights.found = prepared.found()
+        return y
+
+
+class _VnniGroupedKernel(_VnniKernel):
+    """cpu_vnni.c's grouped call (exact_grouped): every routed expert's rows in one call, each
+    layer read in place by the limb kernel. As a layer's kernel (kernel="vnni-grouped"): one
+    expert, every row routed to it (the limb kernel's prepare and run)."""
+
+    grouped, reads = True, "layers"
+
+    def __init__(self):
+        super().__init__("vnni-grouped", spans=False, min_rows=0, auto=False)
+
+    def run_grouped(self, x, routing, experts, bits: int, act_bits: int, out_format: FloatFormat,
+                    gather: bool, workspace=None):
+        """(y [routed rows, parts * N], None): `experts` [E] holds, for each expert with routed
+        rows, its parts' (Weights, InPlace) of these widths, None for the others; routed row r
+        reads row routing.token[r] of x where `gather`, else row r (x then in routing order
+        already). Each part's InPlace then holds the rows the call found slow or NaN (found()).
+        With a `workspace` (moe.Workspace), y and the quantized x are its buffers, which its
+        next use overwrites. Raises NonFiniteError for a non-finite x, and
+        KernelUnavailableError for activations wider than its limbs."""
+        refuse_unheld(self.name, act_bits, self.act_limbs)
+        offsets = routing.offsets.tolist()
+        active = [e for e, parts in enumerate(experts) if parts is not None]
+        ends = [0, *(offsets[e + 1] - offsets[e] for e in active)]
+        routed = offsets[routing.experts]
+        source = routing.token[:routed] if gather else None
+        lists = [[(prepared, None) for _, prepared in experts[e]] for e in active]
+        offsets = torch.tensor(ends).cumsum(0).tolist()
+        out = scratch = None
+        if workspace is not None:
+            n = len(lists[0]) * lists[0][0][0].n
+            out = workspace.get("y", (offsets[-1], n), torch_dtype(out_format), x.device)
+            scratch = workspace.get("x", (scratch_bytes(*x.shape),), torch.uint8, x.device)
+        return grouped(x, act_bits, lists, [False] * len(active), offsets, source, out_format,
+                       out=out, scratch=scratch), None
+
+
+# the span kernel's scales are derived in Python per forward (its weights cannot be read in
+# place yet): never the plan's own pick, and its min_rows says where it would pay once they are
+SPANS = _VnniKernel("vnni-spans", spans=True, min_rows=SPAN_MIN_ROWS, auto=False)
+LIMBS = _VnniKernel("vnni-limbs", spans=False, min_rows=0)
+GROUPED = _VnniGroupedKernel()

@@ -1,0 +1,190 @@
+"""cpu_vnni.c's self-check, its first run: in first_run's child process (check_file), before
+the library runs in the caller. Every compiled pass against its Python twin, then the one-call
+path against the passes: a build the compiler or the CPU got wrong is refused, naming the check
+and its input.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ... import dataflow
+from ...contract import BFLOAT16, FORMATS, act_qmax
+from ...formats import bits_to_tensor, float_bits, pack_weights, round_scaled_array, torch_dtype
+from ...quantize import quantize_activations
+from ..certificate import certify
+from ..registry import Fit, Weights, no, yes
+from . import vnni_library
+from .vnni import SPAN_MIN_ROWS
+from .vnni_calls import accumulate, grouped, linear, quantize, round_rows
+from .vnni_layout import FLAG_NONFINITE, FLAG_SLOW, InPlace, NativeWeights, biased_limbs, span_order
+
+
+def check_file(file: Path, digest: str) -> Fit:
+    """In first_run's child: the library at `file` loaded (its bytes must match `digest`) and
+    self-checked."""
+    lib, why = vnni_library.load_file(file, digest)
+    return self_check(lib) if lib is not None else why
+
+
+def self_check(lib) -> Fit:
+    """The compiled passes against their Python twins: quantization, limbs and span-order words
+    against quantize.quantize_activations and dataflow.activation_limbs, both accumulation
+    kernels against int64 arithmetic (the worst case, random data, long and one-group spans,
+    unshifted blocks), the rounding, fused and as a pass, against formats.round_scaled_array
+    (ties, subnormals, overflow), in every format; then the one-call path against those
+    passes, and the layers read in place (prepare_block) against the derived layout and the
+    certificate (certificate.certify). The verdict names the check that failed and its input."""
+    g = torch.Generator().manual_seed(0)
+    for act_bits in (4, 8, 16, 32):
+        for fmt in FORMATS.values():
+            bits = torch.randint(0, 1 << fmt.width, (5, 64), generator=g)
+            bits[1] >>= torch.randint(0, fmt.width, (64,), generator=g)  # wide row ranges
+            bits = torch.where(((bits >> fmt.mant_bits) & fmt.exp_max_field) == fmt.exp_max_field,
+                               bits & fmt.sign_bit, bits)  # finite only
+            bits[2], bits[3, 5] = 0, fmt.inf_bits - 1  # a zero row, the largest finite value
+            limbs, e_r = quantize(bits_to_tensor(bits, fmt), act_bits, lib)
+            qa, want_e = quantize_activations(bits, fmt, act_bits)
+            checks = [("row exponents", e_r, want_e), ("limbs", limbs, biased_limbs(qa, act_bits))]
+            if act_bits <= 16:
+                words, _ = quantize(bits_to_tensor(bits, fmt), act_bits, lib, words=True)
+                checks.append(("span-order words", words, span_order(qa)))
+            for what, got, want in checks:
+                if not torch.equal(got, want):
+                    return no(f"its self-check failed on the quantization's {what} "
+                              f"(act_bits {act_bits}, {fmt.name} x)")
+        qmax = act_qmax(act_bits)
+        # both layouts, every tail of a tile; the last three: long spans of groups, one-group
+        # spans, unshifted blocks (shifts 0 and 1 only)
+        for w_bits, m, q_max, ms_max, sh_max in (
+                (4, 5, 8, 256, 12), (4, 6, 8, 256, 12), (4, 7, 8, 256, 12), (8, 7, 128, 256, 12),
+                (4, 9, 2, 8, 12), (4, 3, 8, 256, 12), (4, 5, 8, 256, 1)):
+            q = torch.randint(-q_max, q_max, (37, 256), generator=g)
+            q[0] = -(2 ** (w_bits - 1))
+            qa = torch.randint(-qmax, qmax + 1, (m, 256), generator=g)
+            qa[0] = -qmax
+            qa[1, :32] = qmax  # a whole group at each end: every limb at its extremes
+            ms = torch.randint(1 - ms_max, ms_max, (37, 8), generator=g, dtype=torch.int32)
+            if q_max == 8:
+                ms[0] = 255  # |q * ms| at its largest: one-group spans
+            # at most the spread whose T fits int64 (below 12 only for 32-bit activations)
+            sh_max = min(sh_max, dataflow.max_safe_spread(256, w_bits, act_bits))
+            sh = torch.randint(0, sh_max + 1, (37, 8), generator=g, dtype=torch.int32)
+            sh[1] = sh_max
+            weights = NativeWeights(q, ms << sh)
+            p = (qa.view(m, 1, 8, 32) * q.view(1, 37, 8, 32)).sum(-1)
+            want = ((p * ms.long()) << sh.long()).sum(-1)
+            e_r, emin = torch.randint(-160, 10, (m,), generator=g), torch.randint(-9, 9, (37,),
+                                                                                 generator=g)
+            kernels = [(biased_limbs(qa, act_bits), False)]
+            if act_bits == 16 and w_bits == 4:
+                kernels.append((span_order(qa), True))
+            for a, spans in kernels:
+                got = accumulate(a, act_bits, weights, lib, spans=spans)
+                where = (f"{'exact_linear_spans' if spans else 'exact_linear_vnni'}, "
+                         f"{w_bits}-bit weights, {m} rows, act_bits {act_bits}")
+                if not torch.equal(got[:, :37], want):
+                    return no(f"its self-check failed on the accumulation ({where})")
+                for fmt in FORMATS.values():  # the rounding in the kernel's registers
+                    y = accumulate(a, act_bits, weights, lib, (e_r, emin, fmt), spans)
+                    if not torch.equal(float_bits(y), round_scaled_array(want, e_r[:, None]
+                                                                         + emin[None, :], fmt)):
+                        return no(f"its self-check failed on the fused rounding to {fmt.name} "
+                                  f"({where})")
+    # the one-call path (exact_grouped), through either kernel, against exact_linear_vnni's passes
+    # (checked above); one group too (fewer than a tile's rows: the span kernel's rounding of the
+    # tile before then waits past the tile's end)
+    for k, act_bits, m in ((256, 16, SPAN_MIN_ROWS), (32, 16, SPAN_MIN_ROWS + 2), (256, 16, 3),
+                           (256, 8, 5), (256, 32, 6)):
+        q = torch.randint(-8, 8, (37, k), generator=g)
+        ms = torch.randint(-255, 256, (37, k // 32), generator=g, dtype=torch.int32)
+        weights = NativeWeights(q, ms << torch.randint(0, 2, ms.shape, generator=g,
+                                                       dtype=torch.int32))
+        emin = torch.randint(-9, 9, (37,), generator=g)
+        for fmt in FORMATS.values():
+            x = torch.randn(m, k, generator=g).to(torch_dtype(fmt))
+            limbs, e_r = quantize(x, act_bits, lib)
+            want = accumulate(limbs, act_bits, weights, lib, (e_r, emin, fmt))
+            spans = act_bits == 16 and m >= SPAN_MIN_ROWS
+            if not torch.equal(linear(x, act_bits, weights, emin, fmt, lib, spans), want):
+                return no(f"its self-check failed on the one-call path (exact_grouped, K = {k}, "
+                          f"{m} rows, act_bits {act_bits}, {fmt.name})")
+    # a grouped call of three experts of two parts (the span kernel for one of them), rows
+    # gathered from x in another order, against the one-call path on each expert's own rows
+    for act_bits in (16, 8, 32):
+        layers = [[(NativeWeights(torch.randint(-8, 8, (20, 64), generator=g),
+                                  torch.randint(-255, 256, (20, 2), generator=g,
+                                                dtype=torch.int32)),
+                    torch.randint(-9, 9, (20,), generator=g)) for _ in range(2)]
+                  for _ in range(3)]
+        spans = [False, act_bits == 16, False]
+        counts = [5, SPAN_MIN_ROWS, 1]
+        source = torch.randint(0, 7, (sum(counts),), generator=g)
+        offsets = torch.tensor([0, *counts]).cumsum(0).tolist()
+        x = torch.randn(7, 64, generator=g).bfloat16()
+        got = grouped(x, act_bits, layers, spans, offsets, source, BFLOAT16, lib)
+        for e, parts in enumerate(layers):
+            rows = source[offsets[e]:offsets[e + 1]]
+            for p, (weights, emin) in enumerate(parts):
+                want = linear(x[rows], act_bits, weights, emin, BFLOAT16, lib, spans[e])
+                if not torch.equal(got[offsets[e]:offsets[e + 1], 20 * p:20 * p + 20], want):
+                    return no(f"its self-check failed on a grouped call (exact_grouped, expert "
+                              f"{e}, part {p}, act_bits {act_bits})")
+    # the layers read in place (prepare_block): the checkpoint's own words and scales against
+    # the derived layout of the same weights (NativeWeights of the unpacked words and the
+    # certificate's factors), and the emin and flags found against the certificate's: 4- and
+    # 8-bit words, a partial last block, one group a row (K = 32), zero, subnormal, non-finite
+    # and far-apart scales (slow rows)
+    for bits, k, n in ((4, 256, 37), (8, 64, 21), (4, 32, 5), (8, 32, 16)):
+        least = -(1 << (bits - 1))
+        q = torch.randint(least, -least, (n, k), generator=g)
+        q[0] = least
+        scale_bits = torch.randint(0, 1 << 16, (n, k // 32), generator=g)  # row 0: anywhere
+        scale_bits[1:] = (scale_bits[1:] & 0x807F) | (torch.randint(
+            118, 131, scale_bits[1:].shape, generator=g) << 7)  # spreads up to 12: fast rows
+        scale_bits[2] = 0
+        scale_bits[3, 0] = 0x7F80  # +inf
+        scale_bits[4] &= 0x807F  # subnormal
+        scale_bits[n - 1, -1] = 0xFFC1  # a NaN, in the buffer's last element
+        packed, scale = torch.from_numpy(pack_weights(q.numpy(), bits)), bits_to_tensor(
+            scale_bits, BFLOAT16)
+        for act_bits in (8, 16, 32):
+            weights = Weights(packed, scale, n, k, bits, act_bits)
+            cert = certify(scale, k, bits, act_bits)
+            derived, in_place = NativeWeights(q, cert.factor), InPlace(weights)
+            for fmt in FORMATS.values():
+                x = torch.randn(6, k, generator=g).to(torch_dtype(fmt))
+                want = linear(x, act_bits, derived, cert.emin, fmt, lib)
+                if not torch.equal(linear(x, act_bits, in_place, None, fmt, lib), want):
+                    return no(f"its self-check failed on the weights read in place ({bits}-bit "
+                              f"words, K = {k}, act_bits {act_bits}, {fmt.name})")
+            flags = in_place.flags[:n]
+            if not (torch.equal(in_place.emin[:n], cert.emin)
+                    and torch.equal((flags & FLAG_SLOW) != 0, ~cert.fast)
+                    and torch.equal((flags & FLAG_NONFINITE) != 0, cert.nonfinite)):
+                return no(f"its self-check failed on the scales read in place: emin or flags "
+                          f"({bits}-bit words, K = {k}, act_bits {act_bits})")
+    t = torch.randint(-(2**62), 2**62, (4, 67), generator=g) >> torch.randint(0, 62, (4, 67),
+                                                                            generator=g)
+    t[0, :8] = torch.tensor([0, 1, -1, 3, -3, 2**62, -(2**62), 5])
+    e_r, emin = torch.randint(-300, 200, (4,), generator=g), torch.randint(-40, 40, (67,),
+                                                                            generator=g)
+    # rows 1..3, columns 8..23: exact ties at each format's precision p and one unit either side
+    # (both signs, even and odd kept parts), at e = 0: normal results, round8_normal's own path
+    for row, p, s_max in ((1, 8, 40), (2, 11, 4), (3, 24, 39)):
+        s = torch.randint(1, s_max + 1, (16,), generator=g)
+        kept = (1 << (p - 1)) + torch.randint(0, 1 << (p - 1), (16,), generator=g)
+        half = 1 << (s - 1)
+        tail = torch.minimum(half + torch.randint(-1, 2, (16,), generator=g), 2 * half - 1)
+        sign = torch.where(torch.rand(16, generator=g) < 0.5, -1, 1)
+        t[row, 8:24] = sign * ((kept << s) + tail)
+        e_r[row] = 0
+    emin[8:24] = 0
+    for fmt in FORMATS.values():
+        want = round_scaled_array(t, e_r[:, None] + emin[None, :], fmt)
+        if not torch.equal(float_bits(round_rows(t, 67, e_r, emin, fmt, lib)), want):
+            return no(f"its self-check failed on round_rows to {fmt.name} (ties, subnormals, "
+                      f"overflow)")
+    return yes("AVX-512 VNNI, self-checked")
