@@ -6,6 +6,8 @@ command line, which dispatches to both) and proofs/ are the suite's side.
 """
 
 import ast
+import inspect
+import types
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -158,3 +160,26 @@ def test_every_kernel_file_is_a_short_read():
 def test_a_long_kernel_file_is_seen():
     modules = ROOT / "exactness" / "modules.py"  # the layers: longer than a kernel file may be
     assert too_long([modules]) and not too_long([modules], limit=10_000)
+
+
+def unlisted(module) -> list[str]:
+    """The names a facade offers but leaves out of `__all__`, or lists without offering: every
+    public name it binds, submodules aside (Hypothesis's strategies/__init__.py asserts the
+    same of its own)."""
+    public = {name for name, value in vars(module).items()
+              if not name.startswith("_") and not inspect.ismodule(value)}
+    return sorted(public ^ set(module.__all__))
+
+
+def test_each_facade_lists_what_it_offers():
+    import exactness
+    import exactness.kernels
+
+    assert unlisted(exactness) == [] and unlisted(exactness.kernels) == []
+
+
+def test_an_unlisted_name_is_seen():
+    facade = types.ModuleType("facade")
+    facade.__all__ = ["listed", "gone"]
+    facade.listed = facade.offered = 1
+    assert unlisted(facade) == ["gone", "offered"]
