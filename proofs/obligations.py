@@ -565,7 +565,7 @@ def wide_combine(w_bits: int, a_bits: int, k: int) -> Obligation:
 
 
 def cpu_int64_matmul(w_bits: int, a_bits: int, k: int, spread: int) -> Obligation:
-    """cpu.accumulate_int64: T = qa @ Wf^T in int64, K products of an activation and a folded
+    """gemm.accumulate_int64: T = qa @ Wf^T in int64, K products of an activation and a folded
     weight q * ms << shift (shift <= spread), every partial sum."""
     qmax = act_qmax(a_bits)
     fold_max = dataflow.folded_weight_max(w_bits, spread)
@@ -578,7 +578,7 @@ def cpu_int64_matmul(w_bits: int, a_bits: int, k: int, spread: int) -> Obligatio
 
 
 def cpu_float64_gemm(w_bits: int, a_bits: int, k: int, spread: int) -> Obligation:
-    """cpu.accumulate_float64: each half of qa (hi in [-2**15, 2**15), lo in [0, 2**16)) times
+    """gemm.accumulate_float64: each half of qa (hi in [-2**15, 2**15), lo in [0, 2**16)) times
     the folded weights over K: every partial sum an integer within FLOAT64_EXACT_BITS, where
     float64 holds every integer, so each add (or FMA) of the GEMM is exact."""
     fold_max = dataflow.folded_weight_max(w_bits, spread)
@@ -619,8 +619,8 @@ def cpu_int_mm(k: int, dot_bits: int) -> Obligation:
 
 
 def cpu_combine(w_bits: int, a_bits: int, k: int, spread: int) -> Obligation:
-    """T = sum_{i,j} Z_ij << 8 (i + j) (+ 128 * rowsum) in int64, term by term: cpu.accumulate
-    and the GPU's triton_exact.combine_kernel (linear_folded), the same dataflow."""
+    """T = sum_{i,j} Z_ij << 8 (i + j) (+ 128 * rowsum) in int64, term by term: gemm.accumulate
+    and the GPU's triton.folded.combine_kernel (linear_folded), the same dataflow."""
     fold_max = dataflow.folded_weight_max(w_bits, spread)
     limbs_w = dataflow.folded_weight_limbs(w_bits, spread)
     limbs_a = dataflow.act_limbs(a_bits)
