@@ -260,10 +260,10 @@ def compile_all(archs=ARCHS, quick: bool = False, tiles: bool = False,
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences 3.9's notice; no floats
     configs = (tuning_configurations() if tiles
                else [(*c, 4) for c in configurations(quick)])
-    records = []
+    records, by_name = [], kernels()
     for arch in archs:
         for kernel, config, types, constants, warps in configs:
-            records.append(compile_kernel(kernels()[kernel], types, constants, arch,
+            records.append(compile_kernel(by_name[kernel], types, constants, arch,
                                           kernel, config,
                                           kernel in ("exact_group_kernel", "grouped_kernel"),
                                           warps, aligned))

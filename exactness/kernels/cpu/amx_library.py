@@ -76,8 +76,7 @@ def load(amx_source: str | None = None, check: bool = True) -> tuple[ctypes.CDLL
     lib, why = build(amx_source)
     if lib is None:
         return None, why
-    first = vnni_library.judged(lib, CHECK,
-                          f"the AMX kernel ({MODES[mode()]})")
+    first = vnni_library.judged(lib, CHECK, f"the AMX kernel ({MODES[mode()]})")
     if first.died or (check and not first.verdict):
         return None, first.verdict
     granted = request(lib)

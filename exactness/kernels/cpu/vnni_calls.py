@@ -29,7 +29,7 @@ def quantize_mode(act_bits: int, words: bool) -> int:
 
 
 def quantize(x: torch.Tensor, act_bits: int, lib=None, words: bool = False):
-    """(a, e_r): x [M, K] as cpu_vnni.c's biased limbs a [L, M, K] uint8 (biased_limbs),
+    """(a, e_r): x [M, K] as cpu_vnni.c's biased limbs a [L, M, K] uint8 (vnni_layout.biased_limbs),
     or with `words` qa itself as int16 [M, K] in exact_linear_spans' order (16 bits at most),
     and the row exponents e_r [M] int64 (contract section 3). Raises NonFiniteError
     (formats.check_finite) if x holds a non-finite value."""

@@ -25,6 +25,7 @@ EMULATION = CSRC / "avx512_emulated.h"
 EMULATED_FLAGS = ["-O2", "-fopenmp", "-shared", "-fPIC", "-DSIMDE_NO_NATIVE", "-Wno-psabi"]
 MODES = {"1": "the AVX-512 VNNI instructions", "0": "off", "emulate": "emulated AVX-512"}
 NEEDS = ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512cd", "avx512_vnni")
+CHECK = f"{__package__}.vnni_check:check_file"  # the self-check first_run's child calls
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 SIGNATURES = {  # cpu_vnni.c's entry points: (argument types, result type)
     "exact_linear_vnni": ([_P] * 5 + [_I64] * 3 + [_I32] * 2 + [_P] * 3 + [_I64] + [_I32] * 2,
@@ -69,11 +70,7 @@ def status() -> tuple[ctypes.CDLL | None, Fit]:
     return (lib if verdict else None), verdict
 
 
-CHECK = f"{__package__}.vnni_check:check_file"  # the self-check first_run's child calls
-
-
-def judged(lib, check: str = CHECK,
-           build: str | None = None) -> first_run.FirstRun:
+def judged(lib, check: str = CHECK, build: str | None = None) -> first_run.FirstRun:
     """The library's first run, its self-check (`check`, run on its file), in a child process:
     the verdict, or why the child gave none (first_run.py). The library runs here only after."""
     build = build or f"the C kernel ({MODES[mode()]})"
