@@ -239,3 +239,28 @@ def certified_spread(k: int, w_bits: int, act_bits: int,
     """The largest scale-exponent spread of a weight row that the fast paths take: its combine
     fits `acc_bits` and its folded weights MAX_WEIGHT_LIMBS digits (certificate.certify)."""
     return min(max_safe_spread(k, w_bits, act_bits, acc_bits), max_folded_spread(w_bits))
+
+
+# The GPU's slow rows (triton/wide.py, the device's twin of kernels/wide.py): T = sum_g
+# (P * ms) << shift in WIDE_WORDS words of WIDE_WORD_BITS bits, each word an int64 that sums its
+# parts unnormalized (every part under 2**WIDE_WORD_BITS + 1 in magnitude), carried once at the
+# end. A bf16 scale's shift is at most BF16_SHIFT_MAX.
+WIDE_WORD_BITS = 32
+WIDE_WORDS = 16
+BF16_SHIFT_MAX = 253  # exponents of finite bf16 significands: -133 .. 120 (ms * 2**es)
+
+
+def wide_words_needed(k: int, w_bits: int, act_bits: int) -> int:
+    """Words the GPU's multiword combine needs for the worst |T| of K = k inputs at any spread,
+    a sign bit included: it must be at most WIDE_WORDS (tests/test_device_rows.py checks Kimi's
+    sizes and the widest contract widths)."""
+    groups = k // GROUP_SIZE
+    worst = groups * group_dot_bound(w_bits, act_bits) * (2**SCALE_MANT_BITS - 1) \
+        << BF16_SHIFT_MAX
+    return -(-(worst.bit_length() + 1) // WIDE_WORD_BITS)
+
+
+def wide_word_adds_hold(k: int) -> bool:
+    """Whether a word's unnormalized int64 sum holds: each group adds at most three parts to a
+    word, each under 2**(WIDE_WORD_BITS + 1), so 3 * groups of them stay under 2**63."""
+    return 3 * (k // GROUP_SIZE) << (WIDE_WORD_BITS + 1) < 2 ** (COMBINE_ACC_BITS - 1)

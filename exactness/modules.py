@@ -12,11 +12,12 @@ is seen at the next forward, with no copy to compare and nothing to invalidate.
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
+from . import ops
 from .contract import (
     BFLOAT16,
     DEFAULT_ACT_BITS,
@@ -24,7 +25,6 @@ from .contract import (
     ContractTypeError,
     ContractValueError,
     FloatFormat,
-    NonFiniteError,
     ShapeError,
     check_act_bits,
     check_in_features,
@@ -33,16 +33,16 @@ from .contract import (
 )
 from .formats import (
     bits_to_tensor,
-    check_finite,
     check_finite_tensor,
     float_bits,
     pack_weights,
+    torch_dtype,
     zero_word,
 )
-from .kernels import REGISTRY, Kernel, Plan, Weights, plan, registry
+from .kernels import REGISTRY, Kernel, Plan, Weights
 from .kernels.certificate import Certificate, certify  # noqa: F401 (the layer's API)
-from .kernels.registry import ENV, by_name
-from .kernels.wide import WIDE, splice_slow_rows
+from .kernels.registry import by_name
+from .kernels.wide import WIDE
 
 BACKENDS = ("auto", "cpu", "triton")
 
@@ -61,9 +61,6 @@ def check_buffer(name: str, t, shape: tuple, dtypes: tuple) -> None:
     if not t.is_contiguous():
         raise ContractValueError(f"{name} must be contiguous (the kernels read it row by row), "
                                  f"got strides {t.stride()}")
-
-
-EMPTY = torch.empty(0, dtype=torch.int64)  # no rows
 
 
 class ExactLayer(nn.Module):
@@ -100,7 +97,6 @@ class ExactLayer(nn.Module):
                              act_bits=act_bits, bits=bits, out_dtype=out_dtype, backend=backend,
                              kernel=kernel,  # None: the plan picks (or EXACTNESS_KERNEL)
                              strict=strict,  # a non-finite x or scale raises (v1's rule)
-                             _plans={},  # the forward's plans (they read no buffer)
                              _shape_seen=(None, 0))  # the GPU weight_shape last checked
         n, k = out_features, in_features
         # zero weights until a checkpoint loads: one fill, nothing on device="meta"
@@ -163,7 +159,9 @@ class ExactLayer(nn.Module):
         """(weight_packed, weight_scale) as they are now, or a typed error if a kernel could not
         read them (checked_buffers), or weight_shape disagrees with the layer's shape."""
         packed, scale, shape = self.checked_buffers()
-        if not (shape.is_cuda or self.backend == "triton"):
+        if traced(shape):  # its values cannot be read: checked at the next eager forward
+            pass
+        elif not (shape.is_cuda or self.backend == "triton"):
             self._check_shape(shape, "weight_shape")
         elif self._shape_seen[0] is not shape or self._shape_seen[1] != shape._version:
             # for the GPU its values are read once per tensor and in-place op (torch's version
@@ -186,9 +184,6 @@ class ExactLayer(nn.Module):
             if self._buffers[name].dtype != buffer.dtype:
                 self._buffers[name] = buffer.to(self._buffers[name].device)
         return self
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_plans": {}}  # plans are a cache, rebuilt on first use
 
     def weights(self) -> Weights:
         """What a kernel reads besides x, for one forward: the live buffers (checked readable,
@@ -215,7 +210,7 @@ class ExactLayer(nn.Module):
         device = weights.packed.device
         family = "triton" if self.backend == "triton" or device.type == "cuda" else "cpu"
         for rows in (1, 128):  # decode and prefill may take two kernels: each built and checked
-            self._plan(family, device, rows, weights).kernel.available(device)
+            ops.planned(family, device, rows, weights, self.kernel).kernel.available(device)
 
     def prepared(self, kernel: str | Kernel):
         """What `kernel` derives for one forward of these weights (by name or kernel): the C
@@ -243,81 +238,31 @@ class ExactLayer(nn.Module):
         rows the scales have now; an x the forward refuses gets its typed error here too."""
         weights = self.weights()
         x2, _ = self.checked_input(x, weights.packed.device)
-        chosen = self._plan(self.family(x2), x2.device, x2.shape[0], weights)
+        chosen = ops.planned(self.family(x2), x2.device, x2.shape[0], weights, self.kernel)
         slow = int(weights.certificate.slow_rows.numel()) if chosen.kernel is not WIDE else 0
         return dataclasses.replace(chosen, slow_rows=slow)
 
-    def _plan(self, family: str, device: torch.device, rows: int, weights: Weights) -> Plan:
-        # a plan depends on the widths alone, never the buffers' values (the C kernel's and
-        # _int_mm's checks are the process's)
-        key = (family, device, rows, self.kernel, os.environ.get(ENV), self.bits, self.act_bits)
-        plans = self._plans
-        if key not in plans:
-            if len(plans) > 64:  # many batch sizes: keep the cache small
-                plans.clear()
-            plans[key] = plan(REGISTRY, family, device, rows, weights, self.kernel)
-        return plans[key]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Read the buffers, plan, run, splice the slow rows and the NaN rows."""
+        """Check the buffers and x, then one `exactness::linear` op (exactness/ops.py): on a GPU
+        it reads nothing back, so a CUDA graph captures it and torch.compile traces it whole."""
         if torch.jit.is_tracing():
             raise ContractValueError(
                 "the exact layers cannot be traced by torch.jit.trace: their kernels write the "
                 "output where the tracer does not see it, so a trace would replay uninitialised "
                 "memory; call the layer eagerly")
-        if isinstance(x, torch.Tensor) and registry.capturing(x):
-            raise ContractValueError(
-                "the exact layers cannot be captured into a CUDA graph yet: a forward reads "
-                "back whether any weight row is slow; run them eagerly")
         weights = self.weights()  # before x: a bad buffer is named even for an empty x
         x2, out_format = self.checked_input(x, weights.packed.device)
         if x2.shape[0] == 0:
             return torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype
                                if self.out_dtype is None else self.out_dtype, device=x.device)
-        family = self.family(x2)
-        chosen = self._plan(family, x2.device, x2.shape[0], weights)
-        prepared = chosen.kernel.prepare(weights)
-        bad_rows = None
-        if family == "triton":  # on the device: nothing read back (contract v1.2)
-            x2, bad_rows = self._finite_rows(x2)
-        try:  # the CPU kernels find a non-finite x as they quantize: no pass of its own
-            y = chosen.kernel.run(x2, weights, prepared, out_format)
-        except NonFiniteError:
-            if self.strict or bad_rows is not None:
-                raise
-            x2, bad_rows = self._finite_rows(x2)
-            y = chosen.kernel.run(x2, weights, prepared, out_format)
-        if family == "triton":  # the certificate's rows on the device: one read, of the slow
-            cert = weights.certificate
-            nan_rows, slow = cert.nonfinite, EMPTY
-            if self.strict and bool(nan_rows.any()):
-                check_finite_tensor(weights.scale, "weight_scale")
-            if chosen.kernel is not WIDE and bool((~cert.fast).any()):
-                slow = cert.slow_rows.cpu()
-        else:  # as the C kernel found them, or the certificate
-            slow, nan_rows = weights.rows_apart()
-            if self.strict and nan_rows.numel():  # v1's rule: a non-finite scale raises
-                check_finite_tensor(weights.scale, "weight_scale")
-        if slow.numel() and chosen.kernel is not WIDE:  # spreads no fast kernel holds
-            splice_slow_rows(y, x2, weights, slow, out_format)
-        if bad_rows is not None:
-            y = y.masked_fill_(bad_rows[:, None], float("nan"))
-        if nan_rows.dtype == torch.bool:  # a mask on the device: nothing read back
-            y = y.masked_fill_(nan_rows[None, :], float("nan"))
-        elif nan_rows.numel():
-            y = y.index_fill_(1, nan_rows.to(y.device), float("nan"))
+        if self.strict:  # v1's rule: a non-finite x or scale raises (a read of the device)
+            check_finite_tensor(x2, "x")
+            check_finite_tensor(weights.scale, "weight_scale")
+        y = ops.linear(x2.detach(), weights.packed, weights.scale, self.in_features, self.bits,
+                       self.act_bits, torch_dtype(out_format), self.family(x2), self.kernel)
         if x.requires_grad and torch.is_grad_enabled():
             y = no_backward(x, y)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
-
-    def _finite_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x with every row that holds a non-finite value zeroed, those rows' mask), computed
-        on x's device; a strict layer raises NonFiniteError instead (one read of the device).
-        A forward then gives those rows the canonical NaN (contract v1.2, section 3)."""
-        bad = ~torch.isfinite(x).all(dim=1)
-        if self.strict and bool(bad.any()):
-            check_finite(float_bits(x), float_format(x.dtype), "x")  # raises: count, index
-        return x.masked_fill(bad[:, None], 0), bad
 
     def checked_input(self, x: torch.Tensor,
                       device: torch.device) -> tuple[torch.Tensor, FloatFormat]:
@@ -333,6 +278,12 @@ class ExactLayer(nn.Module):
         if x.dim() == 0 or x.shape[-1] != k:
             raise ShapeError(f"x.shape[-1] must be in_features={k}, got shape {tuple(x.shape)}")
         return (x if x.dim() == 2 else x.reshape(-1, k)), out_format  # (a reshape: ~30 us cold)
+
+
+def traced(t: torch.Tensor) -> bool:
+    """Whether t's values cannot be read: torch.compile is tracing, or t is a fake tensor (a
+    make_fx trace, FakeTensorMode)."""
+    return torch.compiler.is_compiling() or isinstance(t, FakeTensor)
 
 
 def no_backward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

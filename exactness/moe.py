@@ -34,12 +34,12 @@ import torch
 from torch import nn
 
 from .contract import ContractValueError, ExactnessError, NonFiniteError, ShapeError
-from .formats import torch_dtype
+from .formats import float_format, torch_dtype
 from .kernels import REGISTRY, KernelUnavailableError, Plan, plan_grouped
-from .kernels.registry import ENV, by_name, warn_fallback
-from .kernels.routing import Routing, route
+from .kernels.registry import ENV, by_name, capturing, warn_fallback
+from .kernels.routing import Routing, refused, route
 from .kernels.wide import splice_slow_rows
-from .modules import ExactLayer, no_backward
+from .modules import ExactLayer, no_backward, traced
 
 # torch runs an elementwise function on vectors of up to 64 16-bit lanes (two AVX-512 registers
 # a step), and the elements past the last whole step on a scalar path. In one block of at most
@@ -160,32 +160,106 @@ def experts_forward(experts: Sequence[nn.Module], act_fn: Callable, x: torch.Ten
         raise ShapeError(f"hidden_states {tuple(x.shape)}, top_k_index "
                          f"{tuple(top_k_index.shape)} and top_k_weights "
                          f"{tuple(top_k_weights.shape)} disagree on tokens or top_k")
-    # the GPU's kernel reads nothing back: a refused id is counted, and read with the rest
-    routing = route(top_k_index, len(layers), check=chosen.kernel.reads == "layers")
-    gate_up, down = [parts[:2] for parts in layers], [parts[2:] for parts in layers]
-    workspace = WORKSPACE if x.device.type == "cpu" else None
-    try:
-        gate_and_up, first = _project(chosen.kernel, gate_up, x, routing, True, workspace)
-        if gate_and_up is None:
-            return per_expert()
-        inter = local[0].out_features
-        h = activation(act_fn, gate_and_up[:, :inter], gate_and_up[:, inter:],
-                       None if workspace is None else workspace.get(
-                           "h", (gate_and_up.shape[0], inter), gate_and_up.dtype, x.device))
-        if first is not None:  # rows of no expert: never computed, so never data
-            routed = torch.arange(h.shape[0], device=h.device) < routing.routed
-            h = torch.where(routed[:, None], h, 0)
-        rows, second = _project(chosen.kernel, down, h, routing, False, workspace)
-    except NonFiniteError:  # the loop raises it with its own index, or does not need the row
+    if chosen.kernel.reads == "buffers":
+        out = _on_device(layers, act_fn, x, top_k_index, top_k_weights, dtype, per_expert)
+    else:
+        out = _on_cpu(chosen.kernel, layers, act_fn, x, top_k_index, top_k_weights, dtype)
+    if out is None:
         return per_expert()
-    if rows is None:
-        return per_expert()
-    out = weighted_sum(rows, routing, top_k_weights, dtype)
-    if first is not None and read_back(torch.stack([first, second, routing.bad])):
-        return per_expert()  # which raises for a refused id (check_routing)
     if x.requires_grad and torch.is_grad_enabled():
         out = no_backward(x, out)
     return out
+
+
+def _on_cpu(kernel, layers, act_fn, x, top_k_index, top_k_weights, dtype):
+    """The CPU's grouped call: each routed expert's layers checked and read in place, a refused
+    id raised; None where the loop must run instead (other widths, a non-finite input or scale:
+    the loop gives their NaN rows, or a strict layer's error)."""
+    routing = route(top_k_index, len(layers), check=True)
+    try:
+        gate_and_up = _project(kernel, [parts[:2] for parts in layers], x, routing, True,
+                               WORKSPACE)
+        if gate_and_up is None:
+            return None
+        inter = gate_and_up.shape[1] // 2
+        h = activation(act_fn, gate_and_up[:, :inter], gate_and_up[:, inter:],
+                       WORKSPACE.get("h", (gate_and_up.shape[0], inter), gate_and_up.dtype,
+                                     x.device))
+        rows = _project(kernel, [parts[2:] for parts in layers], h, routing, False, WORKSPACE)
+    except NonFiniteError:  # the loop raises it with its own index, or does not need the row
+        return None
+    return None if rows is None else weighted_sum(rows, routing, top_k_weights, dtype)
+
+
+def _on_device(layers, act_fn, x, top_k_index, top_k_weights, dtype, per_expert):
+    """The GPU's grouped call (and the interpreter's): one exactness::moe_experts op, nothing
+    read back, so a CUDA graph captures it. None (the loop) for strict layers (v1's rule reads)
+    and experts of other widths; in an eager call, the loop also for a token routed to an
+    expert held elsewhere, which raises MissingExpertError (under a capture or a trace: NaN)."""
+    held = [e for e, parts in enumerate(layers) if _exact(parts)]
+    if not (_consistent([parts[:2] for parts in layers], held)
+            and _consistent([parts[2:] for parts in layers], held)) \
+            or any(layer.strict for e in held for layer in layers[e]):
+        return None
+    if len(held) < len(layers) and not (traced(x) or capturing(x)) and bool(
+            torch.isin(top_k_index, torch.tensor(held, device=top_k_index.device),
+                       invert=True).logical_and(top_k_index < len(layers)).any()):
+        return None  # a read, where experts are held elsewhere only: the loop raises
+    first = layers[held[0]][0]
+    x, out_format = first.checked_input(x, x.device)
+    none = torch.empty(0, dtype=torch.int32, device=x.device) if len(held) < len(layers) else None
+    buffers = [b for parts in layers for layer in parts
+               for b in (layer.checked_buffers() if _exact(parts) else (none, none, none))]
+    if any(b.device != x.device for b in buffers):
+        raise ContractValueError(f"x is on {x.device}, an expert's buffers elsewhere: move one")
+    args = (x.detach(), top_k_index, top_k_weights, buffers, first.bits, first.act_bits,
+            torch_dtype(out_format), dtype)
+    if act_fn is nn.functional.silu or isinstance(act_fn, nn.SiLU):
+        return moe_experts(*args)
+    return device_experts(*args, act_fn)  # the op's body, with an activation it does not name
+
+
+@torch.library.custom_op("exactness::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                buffers: list[torch.Tensor], bits: int, act_bits: int, out_dtype: torch.dtype,
+                dtype: torch.dtype) -> torch.Tensor:
+    """An MoE layer's routed experts with SiLU, [T, H] in `dtype` (device_experts)."""
+    return device_experts(x, top_k_index, top_k_weights, buffers, bits, act_bits, out_dtype,
+                          dtype, nn.functional.silu)
+
+
+@moe_experts.register_fake
+def _(x, top_k_index, top_k_weights, buffers, bits, act_bits, out_dtype, dtype):
+    return x.new_empty(x.shape, dtype=dtype)  # down's outputs are the hidden size, x's
+
+
+def device_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
+                   buffers: list[torch.Tensor], bits: int, act_bits: int,
+                   out_dtype: torch.dtype, dtype: torch.dtype, act_fn: Callable) -> torch.Tensor:
+    """[T, H] in `dtype` by the grouped kernel that reads buffers: `buffers` holds each expert's
+    gate, up and down (weight_packed, weight_scale, weight_shape), empty for an expert not held.
+    Launches at fixed shapes only (the routing padded to tokens * top_k rows, as vLLM's
+    moe_align_block_size pads it): a row of x holding inf or NaN, a token routed to an expert
+    not held, and one with a refused id (outside [0, E], or an expert named twice) give the
+    canonical NaN, made on the device (the CPU's call raises for a refused id)."""
+    kernel = by_name(REGISTRY, "triton-grouped")
+    experts = len(buffers) // 9
+    layers = [[None if buffers[9 * e + 3 * p].numel() == 0 else
+               tuple(buffers[9 * e + 3 * p:9 * e + 3 * p + 3]) for p in range(3)]
+              for e in range(experts)]
+    routing = route(top_k_index, experts, check=False)
+    out_format = float_format(out_dtype)
+    gate_and_up, _ = kernel.run_grouped(x, routing, [parts[:2] for parts in layers], bits,
+                                        act_bits, out_format, gather=True)
+    inter = gate_and_up.shape[1] // 2
+    h = activation(act_fn, gate_and_up[:, :inter], gate_and_up[:, inter:])
+    routed = torch.arange(h.shape[0], device=h.device) < routing.routed
+    h = torch.where(routed[:, None], h, 0)  # rows of no expert: never computed, never data
+    rows, _ = kernel.run_grouped(h, routing, [parts[2:] for parts in layers], bits, act_bits,
+                                 out_format, gather=False)
+    out = weighted_sum(rows, routing, top_k_weights, dtype)
+    out_of_range, repeated = refused(top_k_index.to(torch.int64), experts)
+    return out.masked_fill((out_of_range | repeated).any(dim=1)[:, None], float("nan"))
 
 
 def projection(layers: Sequence[Sequence[nn.Module]], x: torch.Tensor, routing: Routing,
@@ -200,16 +274,8 @@ def projection(layers: Sequence[Sequence[nn.Module]], x: torch.Tensor, routing: 
         if chosen is None:
             return _project_per_expert(layers, x, routing, gather)
         kernel = chosen.kernel
-    y, trouble = _project(kernel, layers, x, routing, gather)
-    if y is None or (trouble is not None and read_back(trouble + routing.bad)):
-        y = _project_per_expert(layers, x, routing, gather)
-    return y
-
-
-def read_back(counts: torch.Tensor) -> bool:
-    """Whether any of `counts` is nonzero: the grouped call's one read of the device, in one
-    call (tests/test_moe.py counts the reads)."""
-    return any(counts.reshape(-1).tolist())
+    y = _project(kernel, layers, x, routing, gather)
+    return _project_per_expert(layers, x, routing, gather) if y is None else y
 
 
 def _exact(parts) -> bool:
@@ -259,28 +325,33 @@ def _consistent(layers, experts: Sequence[int]) -> bool:
 
 
 def _project(kernel, layers, x: torch.Tensor, routing: Routing, gather: bool, workspace=None):
-    """(y as `projection` gives it, in `workspace` where given; trouble to read back or None), or
-    (None, None) where the experts differ in widths. A kernel that reads layers (the CPU's): each
-    routed expert's buffers checked and read in place, its slow rows spliced in from `wide` (as
-    a layer's forward), a non-finite x raised. One that reads buffers (the GPU's): nothing read
-    back, trouble counts what needs the per-expert path (grouped_launch)."""
-    offsets = routing.offsets.tolist() if kernel.reads == "layers" else None
-    experts = [e for e in range(routing.experts) if offsets[e + 1] > offsets[e]] \
-        if offsets is not None else range(routing.experts)
+    """y as `projection` gives it (in `workspace` where given), or None where the experts differ
+    in widths or the loop must give a non-finite scale's NaN rows. A kernel that reads layers
+    (the CPU's): each routed expert's buffers checked and read in place, its slow rows spliced
+    in from `wide` (as a layer's forward), a non-finite x raised. One that reads buffers (the
+    GPU's): every output on the device, nothing read back (grouped_launch)."""
+    if kernel.reads == "buffers":
+        held = [e for e, parts in enumerate(layers) if _exact(parts)]
+        if not _consistent(layers, held):
+            return None
+        first = layers[held[0]][0]
+        x, out_format = first.checked_input(x, x.device)
+        buffers = [[layer.checked_buffers() for layer in parts] if _exact(parts)
+                   else [None] * len(parts) for parts in layers]
+        if any(b[0].device != x.device for parts in buffers for b in parts if b is not None):
+            raise ContractValueError(f"x is on {x.device}, an expert's buffers elsewhere: move "
+                                     f"one")
+        return kernel.run_grouped(x, routing, buffers, first.bits, first.act_bits, out_format,
+                                  gather, workspace)[0]
+    offsets = routing.offsets.tolist()
+    experts = [e for e in range(routing.experts) if offsets[e + 1] > offsets[e]]
     if experts and not _consistent(layers, experts):
-        return None, None
+        return None
     first = layers[experts[0]][0] if experts else _local(layers)[0]
     x, out_format = first.checked_input(x, x.device)
     if not experts:
         return x.new_empty((0, len(layers[0]) * first.out_features), dtype=torch_dtype(
-            out_format)), None
-    if kernel.reads == "buffers":
-        buffers = [[layer.checked_buffers() for layer in parts] for parts in layers]
-        if any(packed.device != x.device for parts in buffers for packed, _, _ in parts):
-            raise ContractValueError(f"x is on {x.device}, an expert's buffers elsewhere: move "
-                                     f"one")
-        return kernel.run_grouped(x, routing, buffers, first.bits, first.act_bits, out_format,
-                                  gather, workspace)
+            out_format))
     weights = {e: [layer.weights() for layer in layers[e]] for e in experts}  # buffer checks
     if any(w.packed.device != x.device for e in experts for w in weights[e]):
         raise ContractValueError(f"x is on {x.device}, an expert's buffers elsewhere: move one")
@@ -291,14 +362,14 @@ def _project(kernel, layers, x: torch.Tensor, routing: Routing, gather: bool, wo
                               workspace)
     found = {e: [prepared.found() for _, prepared in items[e]] for e in experts}
     if any(nan.numel() for e in experts for _, nan in found[e]):
-        return None, None  # a non-finite scale written in place: the loop's NaN rows
+        return None  # a non-finite scale written in place: the loop's NaN rows
     for e in experts:  # the slow rows of each expert, from `wide` (as a layer's forward)
         for p, (w, (slow, _)) in enumerate(zip(weights[e], found[e], strict=True)):
             if slow.numel():
                 rows = slice(offsets[e], offsets[e + 1])
                 source = x[routing.token[rows]] if gather else x[rows]
                 splice_slow_rows(y, source, w, slow, out_format, rows, p * first.out_features)
-    return y, None
+    return y
 
 
 def _project_per_expert(layers, x: torch.Tensor, routing: Routing, gather: bool) -> torch.Tensor:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from exactness import ExactLinear
+from exactness import ExactLinear, ops
 from exactness.contract import BFLOAT16, FLOAT32, ContractValueError, act_qmax
 from exactness.formats import pack_weights, round_scaled
 from exactness.kernels import KernelUnavailableError, registry
@@ -27,13 +27,16 @@ pytestmark = pytest.mark.stage("equivalence")  # make verify's stage
 
 @pytest.fixture
 def fresh_status():
-    """amx_library.status() judged again under the test's settings, and again after it."""
+    """amx_library.status() judged again under the test's settings, and again after it (the
+    forwards' plans too)."""
     caches = (amx_library.status, registry.warn_fallback)  # the originals: a test may patch them
     for cache in caches:
         cache.cache_clear()
+    ops.PLANS.clear()
     yield
     for cache in caches:
         cache.cache_clear()
+    ops.PLANS.clear()
 
 
 def emulated(monkeypatch) -> None:
@@ -175,6 +178,7 @@ def as_an_amx_machine(monkeypatch) -> None:
     monkeypatch.setattr(amx_library, "status", lambda: (lib, yes("AMX-INT8 tiles, self-checked")))
     monkeypatch.setattr(amx_library, "mode", lambda: "1")
     monkeypatch.setattr(amx_library, "missing_features", lambda: [])
+    monkeypatch.setattr(ops, "PLANS", {})  # the forwards' plans, made on such a machine
 
 
 @pytest.mark.parametrize("min_rows", [amx.MIN_ROWS, None, 16])

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exactness import ExactLinear, PackedInt4Linear
+from exactness import ExactLinear, PackedInt4Linear, ops
 from exactness.contract import BFLOAT16, FLOAT32, FORMATS, ContractValueError, ShapeError
 from exactness.dataflow import act_limbs, activation_limbs
 from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits, torch_dtype
@@ -253,6 +253,7 @@ def test_every_cpu_path_the_plan_takes_on_another_machine(machine, monkeypatch):
     if int_mm is not None:
         monkeypatch.setattr(torch, "_int_mm", int_mm)
     gemm.int_mm_exact.cache_clear()
+    monkeypatch.setattr(ops, "PLANS", {})  # the forwards' plans, made on this machine
     try:
         @settings(max_examples=max(10, settings.default.max_examples // 3))
         @given(linear_cases(max_k=2048, max_n=8, max_rows=4, min_k=1024,
@@ -277,6 +278,7 @@ def test_the_int64_matmul_takes_what_float64_cannot_hold(monkeypatch):
     monkeypatch.setattr(vnni, "warn_fallback", lambda *why: None)
     monkeypatch.setattr(torch, "_int_mm", int_mm_through_fp32)
     gemm.int_mm_exact.cache_clear()
+    monkeypatch.setattr(ops, "PLANS", {})  # the forwards' plans, made on this machine
     try:
         rng = np.random.default_rng(7)
         n, k = 2, 18432
@@ -300,6 +302,7 @@ def test_a_fallback_from_the_c_kernel_warns_once_saying_why(monkeypatch):
     layer = ExactLinear.from_weight(torch.randn(8, 64))
     x = torch.randn(2, 64)
     monkeypatch.setattr(vnni_library, "status", lambda: (None, no("the CPU lacks avx512_vnni")))
+    monkeypatch.setattr(ops, "PLANS", {})  # the forwards' plans, made on this machine
     registry.warn_fallback.cache_clear()
     with pytest.warns(registry.FallbackWarning, match="not used: the CPU lacks avx512_vnni"):
         plan = layer.plan(x)
@@ -449,21 +452,6 @@ def test_the_gpu_checks_non_finite_check_runs():
     from bench.gpu_check import nonfinite_rows
 
     assert nonfinite_rows("cpu")
-
-
-@needs_triton
-def test_a_cuda_graph_capture_is_refused_before_any_launch(monkeypatch):
-    """Under capture the layer raises its own error at once, before it reads any buffer (a
-    forward reads back whether any weight row is slow); bench/gpu_check.py checks it on a real
-    GPU."""
-    layer = ExactLinear.from_weight(torch.randn(4, 64), backend="triton")
-    x = torch.randn(3, 64)
-    monkeypatch.setattr(registry, "capturing", lambda x: True)
-    monkeypatch.setattr(triton_layer, "quantize", mock.Mock(side_effect=AssertionError))
-    with pytest.raises(ContractValueError, match="cannot be captured into a CUDA graph"):
-        layer(x)
-    monkeypatch.undo()
-    assert not registry.capturing(x) and layer(x).shape == (3, 4)
 
 
 @needs_triton
@@ -727,9 +715,10 @@ def test_the_loading_hook_plans_decode_and_prefill_and_keeps_no_tensor(backend):
     rows takes on this backend, and the layer holds no tensor but its three buffers after it
     (the kernels read them in place)."""
     layer = PackedInt4Linear(64, 8, backend=backend)
+    ops.PLANS.clear()
     layer.process_weights_after_loading()
-    assert {key[2] for key in layer._plans} == {1, 128}
-    assert {key[0] for key in layer._plans} == {backend}
+    assert {key[2] for key in ops.PLANS} == {1, 128}
+    assert {key[0] for key in ops.PLANS} == {backend}
     assert not [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
 
 
@@ -757,13 +746,11 @@ def test_gpu_weights_are_the_live_scales_certificate():
 
 
 def test_an_empty_x_runs_no_kernel_and_keeps_the_output_dtype(monkeypatch):
-    """No row: no plan and no kernel run, and y [..., 0, N] in the output's dtype on x's
-    device, as a forward with rows would give."""
-    import exactness.modules as modules
-
+    """No row: no op, no plan and no kernel run, and y [..., 0, N] in the output's dtype on
+    x's device, as a forward with rows would give."""
     layer = PackedInt4Linear(64, 8)
     wide = PackedInt4Linear(64, 8, out_dtype=torch.float32)
-    monkeypatch.setattr(modules, "plan", mock.Mock(side_effect=AssertionError("planned")))
+    monkeypatch.setattr(ops, "forward", mock.Mock(side_effect=AssertionError("planned")))
     for x in (torch.empty(0, 64, dtype=torch.bfloat16), torch.empty(2, 0, 64, dtype=torch.float16)):
         assert layer(x).shape == (*x.shape[:-1], 8) and layer(x).dtype == x.dtype
         assert wide(x).shape == (*x.shape[:-1], 8) and wide(x).dtype == torch.float32

@@ -298,11 +298,11 @@ def test_slow_rows_run_in_bounded_blocks_of_rows(monkeypatch):
 DEVICE_READS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 
 
-def test_the_triton_forward_reads_the_device_back_once(monkeypatch):
-    """Issue 40: a Triton-family forward (here under the interpreter) makes one read of the
-    device in the package's own code, whether any weight row is slow, and no other: no
-    .item(), .tolist(), .cpu(), bool() or torch.equal of a tensor. Writes to the weights, a
-    non-finite scale included (NaN on the device), change nothing of that."""
+def test_the_triton_forward_reads_nothing_back(monkeypatch):
+    """Issues 40 and 50: a Triton-family forward (here under the interpreter) makes no read of
+    the device in the package's own code: no .item(), .tolist(), .cpu(), bool() or torch.equal
+    of a tensor; the slow rows and the NaN rows are the device's. Writes to the weights, a
+    non-finite scale included, change nothing of that."""
     require("triton-group")
     layer = here("triton-group")
     layer(X)  # the plan, weight_shape's one check
@@ -324,5 +324,5 @@ def test_the_triton_forward_reads_the_device_back_once(monkeypatch):
     layer.weight_scale.data[3, 1] = float("nan")
     y = layer(X)
     monkeypatch.undo()
-    assert reads == [("__bool__", "forward")] * 2
+    assert reads == []
     assert (bits(y)[:, 3] == float_format(X.dtype).nan_bits).all()

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .. import dataflow, formats, kimi, modules, moe, quantize
+from .. import dataflow, formats, kimi, modules, moe, ops, quantize
 from ..kernels import wide
 from ..kernels.cpu import activations, amx_library, gemm, vnni_calls, vnni_layout, vnni_library
 from ..kernels.triton import folded as triton_folded
@@ -28,6 +28,8 @@ from ..kernels.triton import grouped as triton_grouped
 from ..kernels.triton import integers as triton_integers
 from ..kernels.triton import layer as triton_layer
 from ..kernels.triton import quantize as triton_quantize
+from ..kernels.triton import scales as triton_scales
+from ..kernels.triton import wide as triton_wide
 
 
 @dataclass(frozen=True)
@@ -396,6 +398,9 @@ BATCH = "tests/test_modules.py::test_batch_and_permutation_invariance"
 QUANTIZE_SLICES = "tests/test_modules.py::test_the_quantize_kernel_at_any_slicing_and_tile"
 SPANS_EDGE = "tests/test_modules.py::test_span_kernel_at_the_int32_edge"
 LIMBS_32 = "tests/test_proofs.py::test_activation_limbs_recombine_at_every_width[32]"
+CAPTURE = "tests/test_capture.py::"
+SLOW_ROWS = CAPTURE + "test_the_device_slow_rows_are_exact_at_every_spread"
+TIE = CAPTURE + "test_a_tie_broken_by_a_far_group_rounds_away_from_it"
 ACT32_KERNELS = "tests/test_act32.py::test_a_kernel_holds_32_bits_or_refuses_them_by_name"
 SPANS_CHAIN = "tests/test_modules.py::test_span_bounds_attacked_one_chain_at_a_time"
 GROUPED_KERNEL = triton_at(triton_grouped, "grouped_kernel")
@@ -474,11 +479,48 @@ CATALOGUE = (
            "tl.where(g_start == 0, LIMB_OFFSET, 0)", "LIMB_OFFSET",
            "split K: the limb offset's sum added by every slice of K instead of the first",
            (TRITON, "tests/test_modules.py::test_the_group_kernels_k_split_changes_no_bit")),
-    Mutant("kernel-offset-sum-of-biased-fields", triton_at(triton_group, "offset_sums"),
-           "group_sums = word_sums.reshape(n, -1, w_bits).sum(-1) - GROUP_SIZE * 2 ** (w_bits - 1)",
-           "group_sums = word_sums.reshape(n, -1, w_bits).sum(-1)",
+    Mutant("kernel-offset-sum-of-biased-fields", triton_at(triton_scales, "scales_kernel"),
+           "r += q_sum.to(tl.int64) * f.to(tl.int64)",
+           "r += (q_sum + 256).to(tl.int64) * f.to(tl.int64)",
            "the limb offset's sum taken over the stored fields (q + 8), not q",
            (TRITON, FOLDED)),
+    # --- the device's slow rows and NaN rows, and host reads planted in a GPU forward
+    Mutant("device-multiword-top-part-dropped", triton_at(triton_wide, "add_shifted"),
+           "+ tl.where(word == q + 2, high >> 32, 0)", "+ 0",
+           "a shifted term's top part (a negative term's sign) not added to its word",
+           (SLOW_ROWS + "[triton-group]", TRITON)),
+    Mutant("device-multiword-sticky-dropped", triton_at(triton_wide, "wide_round"),
+           "| ((below & 3) != 0).to(tl.int64) | sticky", "",
+           "the bits below the 62 kept dropped, not folded into a sticky bit: a tie broken "
+           "by a far group rounds to even",
+           (TIE + "[1-triton-group]", TIE + "[-1-triton-grouped]")),
+    Mutant("device-nan-rows-not-written", triton_at(triton_wide, "finish_kernel"),
+           "store_nan(y_ptrs, nan, OUT_MANT, OUT_EXP)", "pass",
+           "a non-finite row of x computed as if finite, not given the canonical NaN",
+           ("tests/test_errors.py::test_layer_non_finite_x_gives_nan_rows_or_raises_when_strict"
+            "[triton-group]",)),
+    Mutant("host-read-in-the-layer-forward", at(modules.ExactLayer.forward),
+           "y = ops.linear(x2.detach(),",
+           "x2 = x2[:int(x2.shape[0] + 0 * x2.abs().max())]; y = ops.linear(x2.detach(),",
+           "an .item() in the forward: a CUDA graph cannot capture it, a trace breaks",
+           (CAPTURE + "test_the_layer_forward_runs_on_fake_cuda_tensors[gate-up-16]",
+            CAPTURE + "test_the_layer_graph_holds_its_op_and_shape_ops_alone[16]")),
+    Mutant("host-read-in-the-moe-call", at(moe._on_device),
+           "args = (x.detach(), top_k_index,",
+           "x = x[:int(x.shape[0] + 0 * top_k_index.max())]; args = (x.detach(), top_k_index,",
+           "a read of the routing in the MoE call: a CUDA graph cannot capture it",
+           (CAPTURE + "test_the_moe_call_runs_on_fake_cuda_tensors[1-16]",
+            CAPTURE + "test_the_moe_graph_holds_its_op_and_shape_ops_alone")),
+    Mutant("host-read-in-the-triton-launches", at(triton_layer._TritonKernel.launches),
+           "args = (weights.packed, factor, row_sums, emin, weights.bits)",
+           "args = (weights.packed, factor, row_sums, emin, weights.bits + 0 * int(flags.max()))",
+           "a read of the certificate's flags between the launches (as the forward made before)",
+           ("tests/test_reliability.py::test_the_triton_forward_reads_nothing_back",)),
+    Mutant("host-read-in-the-moe-op", at(moe.device_experts),
+           "routing = route(top_k_index, experts, check=False)",
+           "routing = route(top_k_index, experts, check=True)",
+           "the routing's ids checked on the host inside the op: a read per call",
+           ("tests/test_moe.py::test_the_gpu_path_reads_nothing_back",)),
     Mutant("kernel-int4-word-stride-hard-coded", KERNEL,
            "(g * W_BITS + offs_w)", "(g * 4 + offs_w)",
            "a group's word offset hard-coded for int4: 8-bit weights read from the wrong words",
@@ -629,9 +671,10 @@ CATALOGUE = (
            ("tests/test_reliability.py::"
             "test_the_int8_gemm_path_is_exact_past_two_to_the_17_products",
             "tests/test_proofs.py::test_the_int8_gemms_are_sliced_where_all_of_k_would_wrap")),
-    Mutant("prepared-kept-across-forwards", at(modules.ExactLayer.forward),
+    Mutant("prepared-kept-across-forwards", at(ops.forward),
            "prepared = chosen.kernel.prepare(weights)",
-           "prepared = self.__dict__.setdefault(\"_kept\", chosen.kernel.prepare(weights))",
+           "prepared = vars(ops).setdefault(\"kept\", {}).setdefault(\n"
+           "        (weights.n, weights.k, chosen.kernel.name), chosen.kernel.prepare(weights))",
            "what a kernel derives kept from the first forward on: a write through any door "
            "(param.data.copy_, a numpy view, a reassignment) never reaches it",
            ("tests/test_reliability.py::test_weights_written_through_any_door_are_seen_at_the_"
@@ -664,19 +707,18 @@ CATALOGUE = (
            ("tests/test_reliability.py::test_a_non_finite_scale_written_in_place_gives_its_row_"
             "nan[vnni-limbs]",)),
     # --- contract v1.2: non-finite rows (issue 40)
-    Mutant("nan-rows-of-x-left-zero", at(modules.ExactLayer.forward),
+    Mutant("nan-rows-of-x-left-zero", at(ops.cpu_forward),
            "y = y.masked_fill_(bad_rows[:, None], float(\"nan\"))", "pass",
            "a row of x holding an inf or a NaN computed as zeros, its outputs +0.0, not NaN",
            ("tests/test_errors.py::test_layer_non_finite_x_gives_nan_rows_or_raises_when_strict"
             "[vnni-limbs]", CPU_VECTORS)),
-    Mutant("nan-weight-rows-left-zero", at(modules.ExactLayer.forward),
+    Mutant("nan-weight-rows-left-zero", at(ops.cpu_forward),
            "y = y.index_fill_(1, nan_rows.to(y.device), float(\"nan\"))",
            "pass", "a non-finite scale written in place counted as 0: finite outputs for its row",
            ("tests/test_reliability.py::test_a_non_finite_scale_written_in_place_gives_its_row_nan"
             "[vnni-limbs]",)),
-    Mutant("nan-weight-rows-left-zero-on-the-device",
-           at(modules.ExactLayer.forward),
-           "y = y.masked_fill_(nan_rows[None, :], float(\"nan\"))", "pass",
+    Mutant("nan-weight-rows-left-zero-on-the-device", triton_at(triton_wide, "finish_kernel"),
+           "((flags & NONFINITE) != 0)[None, :]", "((flags & 0) != 0)[None, :]",
            "the Triton forward's rows holding a non-finite scale left finite, not NaN",
            ("tests/test_reliability.py::test_a_non_finite_scale_written_in_place_gives_its_row_nan"
             "[triton-group]",)),
@@ -887,8 +929,7 @@ CATALOGUE = (
            "the GPU schedule's block of an expert's rows given the expert before it: its rows "
            "never computed", (grouped("triton-grouped"), moe_block("triton"))),
     Mutant("grouped-last-blocks-padding-stored-as-a-token", GROUPED_KERNEL,
-           "valid[:, None] & mask_n[None, :], OUT_MANT, OUT_EXP)",
-           "mask_n[None, :], OUT_MANT, OUT_EXP)",
+           "out = valid[:, None] & mask_n[None, :]", "out = mask_n[None, :] | valid[:, None]",
            "the padding of an expert's last block of rows read as a token and stored over a "
            "routed row", (grouped("triton-grouped"), moe_block("triton"))),
     Mutant("grouped-table-stride-off-by-one", GROUPED_KERNEL,

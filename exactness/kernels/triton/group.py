@@ -117,26 +117,16 @@ def group_constants(w_bits: int, limbs: int, out, block_n: int = BLOCK_N,
                 SPLIT=split)
 
 
-def offset_sums(weight_packed: torch.Tensor, factor: torch.Tensor, w_bits: int) -> torch.Tensor:
-    """R [N] int64 = sum_k q[n, k] * factor[n, g(k)] (dataflow step 3: what the limb offset adds
-    to a 16-bit activation's T), from the packed words on their device, once per weights."""
-    n = weight_packed.shape[0]
-    fields = 32 // w_bits
-    mask = (1 << w_bits) - 1
-    word_sums = sum((weight_packed >> (j * w_bits)) & mask for j in range(fields))
-    group_sums = word_sums.reshape(n, -1, w_bits).sum(-1) - GROUP_SIZE * 2 ** (w_bits - 1)
-    return (group_sums.to(torch.int64) * factor).sum(-1)
-
-
 def linear(limbs: torch.Tensor, e_r: torch.Tensor, weight_packed: torch.Tensor,
            factor: torch.Tensor, row_sums: torch.Tensor, emin: torch.Tensor, w_bits: int,
            out_dtype: torch.dtype, block_m: int = BLOCK_M, block_n: int = BLOCK_N,
            num_warps: int = 4, slices: int | None = None) -> torch.Tensor:
     """y [M, N] of `out_dtype` from activation limbs [L, M, K] int8, their row exponents, the
     certified scale factors (`factor` int32 [N, G], ms << shift, zero for rows the certificate
-    sends elsewhere), their offset_sums and `emin` [N]. The tile (block_m x block_n outputs per
-    program, powers of two, at least 16), num_warps and the slices of K (None: k_slices) change
-    the speed, never the bits (bench/gpu_check.py compares them)."""
+    sends elsewhere), their offset sums R and `emin` [N] (scales.device_certificate). The tile
+    (block_m x block_n outputs per program, powers of two, at least 16), num_warps and the
+    slices of K (None: k_slices) change the speed, never the bits (bench/gpu_check.py compares
+    them)."""
     if triton is None:
         raise RuntimeError("the Triton path needs the triton package (pip install triton)")
     n_limbs, m, k = limbs.shape

@@ -10,9 +10,10 @@ Each program reads its expert's weights live, through a table of every (expert, 
 buffer addresses (weight_packed, weight_scale, weight_shape): nothing is derived ahead that a
 write could leave stale. It derives what the group kernel's certificate holds (certificate.certify)
 from the scales as it goes: each weight row's emin and spread, then per group the factor
-f = ms << (es - emin). A row whose spread exceeds dataflow.certified_spread is computed as zero
-and counted in `trouble`, as are a non-finite scale and a weight_shape that disagrees: the caller
-then takes the per-expert path, whose layers handle them. The dataflow is exact_group_kernel's:
+f = ms << (es - emin). A row whose spread exceeds dataflow.certified_spread (a slow row) is
+computed in the tile by finish_kernel's multiword combine (triton/wide.py). A non-finite x row or
+scale, an expert not held here (a zero entry) or a weight_shape that disagrees give the
+canonical NaN, written by the kernel: nothing is read back. The dataflow is exact_group_kernel's:
 int8 dots per limb into P', P' * f into int64 (four limbs: two int32 halves, group_sums), with
 the limb offset's LIMB_OFFSET * sum_k q * f added per group (the same T, within
 dataflow.combine_bound in any order: proved, combine-*).
@@ -25,7 +26,6 @@ import torch
 from ... import dataflow
 from ...contract import FloatFormat
 from ...formats import torch_dtype
-from .. import registry
 from ..registry import Fit, Weights, int8_limbs_hold, refuse_unheld
 from ..routing import Routing, route
 from . import layer
@@ -35,20 +35,24 @@ from .quantize import quantize
 
 if triton is not None:
     from .group import group_sums, group_term
-    from .integers import decode, store_exact, unpack_fields
+    from .integers import store_exact, unpack_fields
+    from .scales import bf16_scale, row_exponents
+    from .wide import store_nan, wide_tile
 
     @triton.jit
     def grouped_kernel(
-        a_ptr, e_ptr, source_ptr, block_rows_ptr, block_expert_ptr, used_ptr, table_ptr,
-        trouble_ptr, y_ptr, rows_total, N, K, stride_limb, stride_am, stride_ym,
+        a_ptr, e_ptr, bad_ptr, source_ptr, block_rows_ptr, block_expert_ptr, used_ptr, table_ptr,
+        y_ptr, rows_total, N, K, stride_limb, stride_am, stride_ym,
         W_BITS: tl.constexpr, LIMBS: tl.constexpr, LIMB_OFFSET: tl.constexpr,
         DOT_ACC: tl.constexpr, COMBINE_ACC: tl.constexpr, SPREAD_LIMIT: tl.constexpr,
-        OUT_MANT: tl.constexpr, OUT_EXP: tl.constexpr, PARTS: tl.constexpr,
-        GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        WORDS: tl.constexpr, OUT_MANT: tl.constexpr, OUT_EXP: tl.constexpr,
+        PARTS: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
     ):
         """Block program_id(0) of routed rows (one expert's) against the columns program_id(1)
         of PARTS parts' outputs: y[row, part * N + n], rounded once. Row r reads input row
-        source[r] (GATHER) or r of the limbs a [L, M, K] and row exponents e [M]."""
+        source[r] (GATHER) or r of the limbs a [L, M, K], row exponents e [M] and flags bad [M]
+        (a row of x holding inf or NaN)."""
         pid_m = tl.program_id(0)
         if pid_m >= tl.load(used_ptr):
             return
@@ -58,6 +62,10 @@ if triton is not None:
         offs_n = (tl.program_id(1) % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         entry = table_ptr + (expert * PARTS + part) * 4  # packed, scale, shape, shape is int64
+        offs_2 = tl.arange(0, 2)
+        # an expert this process does not hold: a zero entry (offs_2 * 0 +: a scalar's bool
+        # widened to a vector, as the interpreter's masks need)
+        held = offs_2 * 0 + tl.load(entry) != 0
         w_ptr = tl.load(entry).to(tl.pointer_type(tl.int32))
         s_ptr = tl.load(entry + 1).to(tl.pointer_type(tl.int16))
         rows = tl.load(block_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -68,29 +76,17 @@ if triton is not None:
         else:
             src = rows
         groups = K // 32
-        # formats.split_scales per weight row: emin, the spread, and any non-finite scale
-        big = 1 << 20
-        emin = tl.full((BLOCK_N,), big, tl.int32)
-        emax = tl.full((BLOCK_N,), -big, tl.int32)
-        nonfinite = tl.zeros((BLOCK_N,), tl.int32)
-        for g in range(groups):
-            b = tl.load(s_ptr + offs_n * groups + g, mask=mask_n, other=0).to(tl.int32) & 0xFFFF
-            ms, es = decode(b, 7, 8)
-            emin = tl.minimum(emin, tl.where(ms != 0, es, big))
-            emax = tl.maximum(emax, tl.where(ms != 0, es, -big))
-            nonfinite |= (((b >> 7) & 0xFF) == 0xFF).to(tl.int32)
-        emin = tl.where(emin == big, 0, emin)
-        slow = (emax - emin > SPREAD_LIMIT) & mask_n
-        offs_2 = tl.arange(0, 2)
         if tl.load(entry + 3) != 0:  # weight_shape int64, or int32
-            shape = tl.load(tl.load(entry + 2).to(tl.pointer_type(tl.int64)) + offs_2)
+            shape = tl.load(tl.load(entry + 2).to(tl.pointer_type(tl.int64)) + offs_2,
+                            mask=held, other=0)
         else:
-            shape = tl.load(tl.load(entry + 2).to(tl.pointer_type(tl.int32)) + offs_2).to(
-                tl.int64)
-        shape_wrong = tl.sum((shape != tl.where(offs_2 == 0, N, K)).to(tl.int32))
-        trouble = tl.sum(slow.to(tl.int32)) + tl.sum(nonfinite & mask_n.to(tl.int32)) \
-            + shape_wrong
-        tl.atomic_add(trouble_ptr, 1, mask=trouble > 0)
+            shape = tl.load(tl.load(entry + 2).to(tl.pointer_type(tl.int32)) + offs_2,
+                            mask=held, other=0).to(tl.int64)
+        # a layer read as it is, or not at all: held, and weight_shape [N, K]
+        live = offs_n * 0 + tl.sum((shape == tl.where(offs_2 == 0, N, K)).to(tl.int32)) == 2
+        mask_w = mask_n & live
+        emin, spread, nonfinite = row_exponents(s_ptr, offs_n, mask_w, groups)
+        slow = (spread > SPREAD_LIMIT) & mask_w
         per_word: tl.constexpr = 32 // W_BITS
         offs_w = tl.arange(0, W_BITS)
         fields = tl.arange(0, per_word) * W_BITS
@@ -98,22 +94,31 @@ if triton is not None:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=COMBINE_ACC)
         for g in range(groups):
             words = tl.load(w_ptr + offs_n[:, None] * (groups * W_BITS)
-                            + (g * W_BITS + offs_w)[None, :], mask=mask_n[:, None], other=0)
+                            + (g * W_BITS + offs_w)[None, :], mask=mask_w[:, None], other=0)
             w8 = tl.reshape(unpack_fields(words, fields, W_BITS).to(tl.int8), (BLOCK_N, 32))
             a_ptrs = a_ptr + src[:, None] * stride_am + (g * 32 + offs_k)[None, :]
             p, p_hi = group_sums(a_ptrs, stride_limb, valid, w8, LIMBS, DOT_ACC)
-            b = tl.load(s_ptr + offs_n * groups + g, mask=mask_n, other=0).to(tl.int32) & 0xFFFF
-            ms, es = decode(b, 7, 8)
+            ms, es, _ = bf16_scale(s_ptr, offs_n, mask_w, groups, g)
             # an int32 for every certified spread (proved: scale-factor); slow rows: zero
-            f = tl.where(slow, 0, ms << tl.where(ms != 0, es - emin, 0))
+            f = tl.where(slow | (ms == 0), 0, ms << tl.where(slow | (ms == 0), 0, es - emin))
             acc += group_term(p, p_hi, f, LIMBS, COMBINE_ACC)
             if LIMBS > 1:  # P = P' + LIMB_OFFSET * sum_k q
                 q_sum = tl.sum(w8.to(tl.int32), axis=1)
                 acc += (LIMB_OFFSET * q_sum.to(COMBINE_ACC) * f.to(COMBINE_ACC))[None, :]
         e_r = tl.load(e_ptr + src, mask=valid, other=0)
+        e = e_r[:, None] + emin.to(tl.int64)[None, :]
         y_ptrs = y_ptr + rows[:, None] * stride_ym + (part * N + offs_n)[None, :]
-        store_exact(acc.to(tl.int64), e_r[:, None] + emin.to(tl.int64)[None, :], y_ptrs,
-                    valid[:, None] & mask_n[None, :], OUT_MANT, OUT_EXP)
+        out = valid[:, None] & mask_n[None, :]
+        bad = tl.load(bad_ptr + src, mask=valid, other=0) != 0
+        nan = (bad[:, None] | (nonfinite | ~live)[None, :]) & out
+        store_exact(acc.to(tl.int64), e, y_ptrs, out & ~slow[None, :] & ~nan, OUT_MANT, OUT_EXP)
+        if tl.max(slow.to(tl.int32)) > 0:  # the slow rows, as finish_kernel computes them
+            m, e = wide_tile(a_ptr, src, valid, stride_limb, stride_am, w_ptr, groups * W_BITS,
+                             s_ptr, offs_n, mask_w, emin, e, groups, W_BITS, LIMBS, LIMB_OFFSET,
+                             DOT_ACC, WORDS, BLOCK_M, BLOCK_N)
+            store_exact(m, e, y_ptrs, out & slow[None, :] & ~nan, OUT_MANT, OUT_EXP)
+        if tl.max(nan.to(tl.int32)) > 0:
+            store_nan(y_ptrs, nan, OUT_MANT, OUT_EXP)
 
 
 def grouped_constants(w_bits: int, act_bits: int, k: int, out: FloatFormat, parts: int,
@@ -124,7 +129,8 @@ def grouped_constants(w_bits: int, act_bits: int, k: int, out: FloatFormat, part
                 DOT_ACC=TRITON_INT[dataflow.DOT_ACC_BITS],
                 COMBINE_ACC=TRITON_INT[dataflow.COMBINE_ACC_BITS],
                 SPREAD_LIMIT=dataflow.certified_spread(k, w_bits, act_bits),
-                OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits, PARTS=parts, GATHER=gather,
+                WORDS=dataflow.WIDE_WORDS, OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits,
+                PARTS=parts, GATHER=gather,
                 BLOCK_M=block_m, BLOCK_N=block_n)
 
 
@@ -146,40 +152,53 @@ def blocks(routing: Routing, block_m: int) -> tuple[torch.Tensor, torch.Tensor, 
     return rows.reshape(-1), expert, ends[-1:]
 
 
+_TABLES: dict = {}  # the tables on each device, by their addresses
+
+
 def table(experts, device: torch.device) -> torch.Tensor:
     """[E * parts, 4] int64: each (expert, part) layer's weight_packed, weight_scale and
-    weight_shape addresses, and whether weight_shape is int64 (buffers type-checked already)."""
-    return torch.tensor([[packed.data_ptr(), scale.data_ptr(), shape.data_ptr(),
-                          int(shape.dtype == torch.int64)]
-                         for parts in experts for packed, scale, shape in parts],
-                        dtype=torch.int64).to(device)
+    weight_shape addresses, and whether weight_shape is int64 (buffers type-checked already);
+    a zero row for an expert this process does not hold (None). Kept on the device by its
+    addresses: a call whose buffers have not moved copies nothing (as under a CUDA graph's
+    capture, where a copy from the host is not allowed), and a write in place moves none."""
+    rows = tuple((0, 0, 0, 0) if buffers is None else
+                 (buffers[0].data_ptr(), buffers[1].data_ptr(), buffers[2].data_ptr(),
+                  int(buffers[2].dtype == torch.int64))
+                 for parts in experts for buffers in parts)
+    key = (device, rows)
+    if key not in _TABLES:
+        if len(_TABLES) > 1024:  # layers x batches of experts: keep it bounded
+            _TABLES.clear()
+        _TABLES[key] = torch.tensor(rows, dtype=torch.int64).to(device)
+    return _TABLES[key]
 
 
 def grouped_launch(x: torch.Tensor, routing: Routing, experts, bits: int, act_bits: int,
-                   out_format: FloatFormat, gather: bool):
-    """(y [tokens * top_k, parts * N], the rows of x that hold a non-finite value, the programs
-    that met a layer the per-expert path must run) for x [M, K]: `experts` [E][parts] of live
-    (weight_packed, weight_scale, weight_shape); the counts [] int64, on the device."""
+                   out_format: FloatFormat, gather: bool) -> torch.Tensor:
+    """y [tokens * top_k, parts * N] for x [M, K]: `experts` [E][parts] of live (weight_packed,
+    weight_scale, weight_shape), or None for an expert this process does not hold. Every output
+    on the device, nothing read back: the slow rows exact, the canonical NaN for a row of x
+    holding inf or NaN, a weight row holding a non-finite scale, and every output of a layer
+    not held or whose weight_shape disagrees."""
     device, k = x.device, x.shape[1]
-    parts, n = len(experts[0]), experts[0][0][0].shape[0]
-    limbs, e_r, nonfinite = [], [], []
+    parts = len(experts[0])
+    n = next(b for layers in experts for b in layers if b is not None)[0].shape[0]
+    limbs, e_r, bad = [], [], []
     for rows in x.split(layer.rows_per_launch(k, n, act_bits)):  # int32 offsets
         quantized = quantize(rows, act_bits)
-        for into, part in zip((limbs, e_r, nonfinite), quantized, strict=True):
+        for into, part in zip((limbs, e_r, bad), quantized, strict=True):
             into.append(part)
     limbs = limbs[0] if len(limbs) == 1 else torch.cat(limbs, 1)
-    e_r, nonfinite = torch.cat(e_r), torch.cat(nonfinite)
+    e_r, bad = torch.cat(e_r), torch.cat(bad)
     rows_total = routing.tokens * routing.top_k
     y = torch.empty((rows_total, parts * n), dtype=torch_dtype(out_format), device=device)
     block_rows, block_expert, used = blocks(routing, BLOCK_M)
-    trouble = torch.zeros(1, dtype=torch.int32, device=device)
     grid = (block_expert.numel(), parts * triton.cdiv(n, BLOCK_N))
     grouped_kernel[grid](
-        limbs, e_r, routing.token, block_rows, block_expert, used, table(experts, device),
-        trouble, y.view(BIT_VIEW[out_format.width]), rows_total, n, k, limbs.stride(0),
-        limbs.stride(1), y.stride(0),
-        **grouped_constants(bits, act_bits, k, out_format, parts, gather))
-    return y, nonfinite.to(torch.int64).sum(), trouble[0].to(torch.int64)
+        limbs, e_r, bad, routing.token, block_rows, block_expert, used, table(experts, device),
+        y.view(BIT_VIEW[out_format.width]), rows_total, n, k, limbs.stride(0), limbs.stride(1),
+        y.stride(0), **grouped_constants(bits, act_bits, k, out_format, parts, gather))
+    return y
 
 
 class _TritonGroupedKernel:
@@ -196,32 +215,25 @@ class _TritonGroupedKernel:
     def eligible(self, rows: int, weights: Weights) -> Fit:
         return int8_limbs_hold(weights.act_bits, self.act_limbs)
 
-    def prepare(self, weights: Weights) -> dict:
-        return {}  # per device: weight_shape as a tensor there
+    def prepare(self, weights: Weights) -> None:
+        return None
 
-    def run(self, x, weights: Weights, prepared: dict, out_format: FloatFormat):
-        if registry.capturing(x):
-            return layer.GROUP.run(x, weights, prepared, out_format)  # which refuses it
-        if x.device not in prepared:
-            prepared[x.device] = torch.tensor([weights.n, weights.k], device=x.device)
+    def run(self, x, weights: Weights, prepared: None, out_format: FloatFormat):
+        """y, every output (as the other Triton kernels give it): one expert, every row."""
+        shape = torch.tensor([weights.n, weights.k]).to(x.device)  # the Weights hold no shape
         one = route(torch.zeros((x.shape[0], 1), dtype=torch.int64, device=x.device), 1)
-        buffers = [[(weights.packed.to(x.device), weights.scale.to(x.device),
-                     prepared[x.device])]]
-        y, _, _ = grouped_launch(x, one, buffers, weights.bits, weights.act_bits, out_format,
-                                 gather=True)
-        return y  # x is finite; the layer splices the slow rows and the NaN rows in
+        return grouped_launch(x, one, [[(weights.packed, weights.scale, shape)]], weights.bits,
+                              weights.act_bits, out_format, gather=True)
 
     def run_grouped(self, x, routing: Routing, experts, bits: int, act_bits: int,
                     out_format: FloatFormat, gather: bool, workspace=None):
-        """(y [tokens * top_k, parts * N], trouble [] int64): `experts` [E] holds every
-        expert's parts' live buffers (weight_packed, weight_scale, weight_shape), type-checked;
-        routed row r reads row routing.token[r] of x where `gather`, else row r. Nothing is
-        read back: trouble (see grouped_launch) is for the caller to read once. (`workspace` is
-        the CPU's: CUDA's caching allocator keeps its memory from one call to the next.)"""
+        """(y [tokens * top_k, parts * N], None): grouped_launch's y, where `experts` [E] holds
+        every expert's parts' live buffers (weight_packed, weight_scale, weight_shape),
+        type-checked, or None for one not held here; routed row r reads row routing.token[r]
+        of x where `gather`, else row r. Nothing is read back. (`workspace` is the CPU's: CUDA's
+        caching allocator keeps its memory from one call to the next.)"""
         refuse_unheld(self.name, act_bits, self.act_limbs)
-        y, nonfinite, programs = grouped_launch(x, routing, experts, bits, act_bits, out_format,
-                                                gather)
-        return y, nonfinite + programs
+        return grouped_launch(x, routing, experts, bits, act_bits, out_format, gather), None
 
 
 GROUPED = _TritonGroupedKernel()

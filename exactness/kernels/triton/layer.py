@@ -7,15 +7,16 @@ from __future__ import annotations
 import torch
 
 from ... import dataflow
-from ...contract import ContractValueError, FloatFormat
+from ...contract import FloatFormat, float_format
 from ...formats import torch_dtype
-from .. import registry
 from ..cpu.gemm import int_mm_exact
 from ..registry import Fit, Weights, int8_limbs_hold, no, yes
 from .folded import folded_fits, linear_folded
-from .group import linear, offset_sums
+from .group import linear
 from .launch import INTERPRETED, triton
 from .quantize import quantize
+from .scales import device_certificate
+from .wide import finish
 
 # From this many activation rows the plan prefers linear_folded. The count of each kernel's
 # instructions (docs/PERFORMANCE.md) puts the crossover at tens of rows; measuring it on a GPU
@@ -38,7 +39,7 @@ def rows_per_launch(k: int, n: int, act_bits: int) -> int:
 class _TritonKernel:
     """The Triton forward: x quantized by quantize_kernel, then the group kernel (`linear`) or
     the folded GEMM (`linear_folded`), in blocks of rows that keep each launch's offsets in int32
-    (rows_per_launch). x is finite: the layer gives a non-finite row its NaN (contract v1.2)."""
+    (rows_per_launch); the certificate before them and finish_kernel after, all on the device."""
 
     family, layout, auto, grouped = "triton", "triton", True, False
 
@@ -71,42 +72,47 @@ class _TritonKernel:
         return yes("int8 GEMM on folded weight digits")
 
     def prepare(self, weights: Weights) -> None:
-        return None  # the scales' factors are derived on the device per forward (gpu_weights)
+        return None  # the scales' certificate is derived on the device per forward
 
     def run(self, x, weights: Weights, prepared: None, out_format: FloatFormat):
-        """y for a finite x (the layer gives a non-finite row its NaN first): nothing is read
-        back."""
-        if registry.capturing(x):
-            raise ContractValueError(
-                "the exact layers cannot be captured into a CUDA graph yet: a forward reads "
-                "back whether any weight row is slow; run them eagerly")
-        return self.launches(x, weights, gpu_weights(weights, x.device),
-                             torch_dtype(out_format))
+        """y for x [M, K], every output: the fast rows by this kernel, then the slow rows and the
+        NaN outputs by finish_kernel. Launches only: nothing is read back, nothing allocated by
+        a value on the device, so a CUDA graph can capture it."""
+        return self.launches(x, weights, torch_dtype(out_format))
 
-    def launches(self, x, weights: Weights, derived: tuple, out_dtype: torch.dtype):
+    def launches(self, x, weights: Weights, out_dtype: torch.dtype):
         """y, every block of rows queued, nothing read back."""
-        args = (weights.packed, *derived, weights.bits)
-        # the folded GEMM's digits, sized by the fast rows' spread: a read of the device (the
-        # certified spread would need none, and twice the digits at Kimi's scales)
-        digits = dataflow.folded_weight_limbs(weights.bits, weights.certificate.fast_spread) \
-            if self.folded else 0
+        factor, row_sums, emin, flags = device_certificate(
+            weights.packed, weights.scale, weights.k, weights.bits, weights.act_bits)
+        args = (weights.packed, factor, row_sums, emin, weights.bits)
+        out = float_format(out_dtype)
         ys = []
         for rows in x.split(rows_per_launch(weights.k, weights.n, weights.act_bits)):
-            limbs, e_r, _ = quantize(rows, weights.act_bits)
+            limbs, e_r, bad = quantize(rows, weights.act_bits)
             if self.folded:
-                ys.append(linear_folded(limbs, e_r, *args, digits, out_dtype))
+                y = linear_folded(limbs, e_r, *args, folded_digits(weights), out_dtype)
             else:
-                ys.append(linear(limbs, e_r, *args, out_dtype))
+                y = linear(limbs, e_r, *args, out_dtype)
+            ys.append(finish(y, limbs, e_r, bad, weights.packed, weights.scale, emin, flags,
+                             weights.bits, out))
         return ys[0] if len(ys) == 1 else torch.cat(ys)
 
 
 def gpu_weights(weights: Weights, device: torch.device) -> tuple:
-    """(factor, offset_sums, emin) on `device`, derived from the live buffers for one forward
-    (on the buffers' device: nothing read back)."""
-    cert = weights.certificate
-    factor = cert.factor.to(device)
-    return (factor, offset_sums(weights.packed.to(device), factor, weights.bits),
-            cert.emin.to(device))
+    """(factor, offset sums, emin) of the live buffers on `device`, by scales_kernel: what the
+    group kernel and the folded GEMM read (the tests and bench/gpu_check.py call them alone)."""
+    factor, row_sums, emin, _ = device_certificate(
+        weights.packed.to(device), weights.scale.to(device), weights.k, weights.bits,
+        weights.act_bits)
+    return factor, row_sums, emin
+
+
+def folded_digits(weights: Weights) -> int:
+    """The folded GEMM's int8 digits of q * f: enough for every certified spread, a bound that
+    holds for every input, so that no read of the scales sizes them (4 for 4-bit weights where
+    Kimi's spreads would need 2: docs/PERFORMANCE.md)."""
+    spread = dataflow.certified_spread(weights.k, weights.bits, weights.act_bits)
+    return dataflow.folded_weight_limbs(weights.bits, spread)
 
 
 FOLDED = _TritonKernel("triton-folded", folded=True, min_rows=FOLDED_MIN_ROWS)
