@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from exactness import ExactLinear, PackedInt4Linear, dataflow, moe
+from exactness import ExactLinear, PackedInt4Linear, dataflow, moe, ops
 from exactness.contract import BFLOAT16, GROUP_SIZE, act_qmax
 from exactness.formats import pack_weights
 from exactness.kernels import REGISTRY
@@ -218,3 +218,50 @@ def test_a_tie_broken_by_a_far_group_rounds_away_from_it(path, sign):
     got = run(case, path)
     check_bits(case, path, got, run(case, "reference"))
     assert (got[:, 0] == (0x7181 if sign > 0 else 0xF181)).all()  # 258 * 2**92
+
+
+@needs_triton
+@pytest.mark.parametrize("act_bits", [8, 16, 32])
+def test_the_op_bodies_read_nothing_back(monkeypatch, act_bits):
+    """The ops' bodies (ops.forward, moe.device_experts: inside a custom op a torch function
+    mode sees nothing, so they are called here as functions) under the interpreter, its own
+    copies aside, a slow row, a non-finite scale and a non-finite row of x included: no .item(),
+    .tolist(), bool(), nonzero() or other read, wherever it is made (test_moe's CountReads)."""
+    from triton.runtime import interpreter
+
+    from tests.test_moe import CountReads, experts_of, zero_case
+
+    counter = CountReads()
+    launch = interpreter.GridExecutor.__call__
+
+    def launching(self, *args, **kwargs):  # the interpreter copies to and from its "device"
+        counter.launching = True
+        try:
+            return launch(self, *args, **kwargs)
+        finally:
+            counter.launching = False
+
+    monkeypatch.setattr(interpreter.GridExecutor, "__call__", launching)
+    torch.manual_seed(act_bits)
+    layer = ExactLinear.from_weight(torch.randn(24, 64), act_bits=act_bits, backend="triton")
+    layer.weight_scale.data[3] = torch.tensor([2.0**-100, 2.0**80]).bfloat16()  # a slow row
+    layer.weight_scale.data[5, 1] = float("inf")
+    x = torch.randn(70, 64).bfloat16()  # from 64 rows: the folded GEMM, below: the group kernel
+    x[2, 7] = float("nan")
+    for rows in (x[:5], x):
+        with counter:
+            y = ops.forward(rows, layer.weight_packed, layer.weight_scale, 64, 4, act_bits,
+                            torch.bfloat16, "triton", None)
+        assert counter.reads == [], counter.reads
+        assert y[2].isnan().all() and y[:, 5].isnan().all() and not y[0, :5].isnan().any()
+    if act_bits == 32:
+        return  # the grouped kernel carries up to 16 bits (test_act32.py)
+    experts = experts_of(zero_case(3), "triton")
+    buffers = [b for e in experts for layer in (e.gate_proj, e.up_proj, e.down_proj)
+               for b in layer.checked_buffers()]
+    ids = torch.tensor([[0, 2], [1, 3], [2, 1], [5, 0], [0, 0]])  # padding, refused ids
+    with counter:
+        y = moe.device_experts(x[:5], ids, torch.ones(5, 2), buffers, 4, 16, torch.bfloat16,
+                               torch.bfloat16, torch.nn.functional.silu)
+    assert counter.reads == [], counter.reads
+    assert y[2].isnan().all() and y[3:].isnan().all() and not y[:2].isnan().any()

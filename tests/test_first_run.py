@@ -9,7 +9,7 @@ import warnings
 import pytest
 import torch
 
-from exactness import ExactLinear
+from exactness import ExactLinear, ops
 from exactness.kernels import KernelUnavailableError, first_run, registry, toolchain
 from exactness.kernels.cpu import amx_library, vnni_library
 from tests.crashing_kernels import CRASHES, HANG, planted, stub
@@ -25,9 +25,11 @@ def fresh(tmp_path):
     the cache, under its own digest)."""
     for cache in CACHES:
         cache.cache_clear()
+    ops.PLANS.clear()  # the forwards' plans, made with the kernels judged afresh
     yield tmp_path
     for cache in CACHES:
         cache.cache_clear()
+    ops.PLANS.clear()
 
 
 def with_c_source(monkeypatch, tmp_path, text: str) -> None:

@@ -367,13 +367,21 @@ def test_an_expert_no_token_routes_to_is_never_read(monkeypatch):
                                        ([[2, 2]], "names expert 2 twice for token 0")],
                          ids=["past-padding", "negative", "repeated"])
 def test_refused_routing_is_a_typed_error_on_both_paths(backend, ids, says):
+    """The loop and the CPU's grouped call raise, naming the id; the GPU's call, which reads
+    nothing back, gives the token's outputs the canonical NaN, and the other tokens their bits."""
     skip_unless_backend(backend)
-    experts = experts_of(zero_case(4), backend)
-    x, weights = torch.ones(1, 64).bfloat16(), torch.ones(1, 2)
-    for call in (lambda: experts(x, torch.tensor(ids), weights),
-                 lambda: experts.per_expert(x, torch.tensor(ids), weights)):
+    experts = experts_of(zero_case(4, tokens=2), backend)
+    x, weights = torch.ones(2, 64).bfloat16(), torch.ones(2, 2)
+    routing = torch.tensor([*ids, [0, 1]])
+    with pytest.raises(ContractValueError, match=says):
+        experts.per_expert(x, routing, weights)
+    if backend == "cpu":
         with pytest.raises(ContractValueError, match=says):
-            call()
+            experts(x, routing, weights)
+        return
+    y = tensor_to_bits(experts(x, routing, weights))
+    assert (y[0] == BFLOAT16.nan_bits).all()
+    assert (y[1] == tensor_to_bits(experts.per_expert(x[1:], routing[1:], weights[1:]))).all()
 
 
 def zero_case(experts: int, tokens: int = 1) -> MoECase:

@@ -34,6 +34,8 @@ from ..kernels.triton import group as triton_group
 from ..kernels.triton import grouped as triton_grouped
 from ..kernels.triton import launch as triton_launch
 from ..kernels.triton import quantize as triton_quantize
+from ..kernels.triton import scales as triton_scales
+from ..kernels.triton import wide as triton_wide
 
 ARCHS = (80, 90)  # A100, H100/H200
 # an int8 x int8 -> int32 tensor-core MMA: mma.sync (sm_80 on), or Hopper's warpgroup wgmma,
@@ -73,11 +75,19 @@ def _argument_types(kernel: str, width: int, z: str = "*i32") -> dict:
     if kernel == "combine_kernel":  # z: the int32 limb GEMMs, or a split launch's int64 T
         return dict(z_ptr=z, sum_ptr="*i64", e_ptr="*i64", emin_ptr="*i64",
                     y_ptr=f"*i{width}", M="i32", N="i32", stride_zm="i32", stride_ym="i32")
-    if kernel == "grouped_kernel":  # triton_grouped.grouped_launch
-        return dict(a_ptr="*i8", e_ptr="*i64", source_ptr="*i64", block_rows_ptr="*i64",
-                    block_expert_ptr="*i64", used_ptr="*i64", table_ptr="*i64",
-                    trouble_ptr="*i32", y_ptr=f"*i{width}", rows_total="i32", N="i32", K="i32",
-                    stride_limb="i32", stride_am="i32", stride_ym="i32")
+    if kernel in ("grouped_kernel", "grouped_finish_kernel"):  # triton_grouped.grouped_launch
+        return dict(a_ptr="*i8", e_ptr="*i64", bad_ptr="*i8", source_ptr="*i64",
+                    block_rows_ptr="*i64", block_expert_ptr="*i64", used_ptr="*i64",
+                    table_ptr="*i64", y_ptr=f"*i{width}", slow_ptr="*i8", rows_total="i32",
+                    N="i32", K="i32", stride_limb="i32", stride_am="i32", stride_ym="i32")
+    if kernel == "scales_kernel":  # triton_scales.device_certificate
+        return dict(s_ptr="*i16", w_ptr="*i32", f_ptr="*i32", r_ptr="*i64", emin_ptr="*i64",
+                    flags_ptr="*i8", N="i32", G="i32", stride_wn="i32")
+    if kernel == "finish_kernel":  # triton_wide.finish
+        return dict(a_ptr="*i8", e_ptr="*i64", bad_ptr="*i8", w_ptr="*i32", s_ptr="*i16",
+                    flags_ptr="*i8", y_ptr=f"*i{width}", M="i32", N="i32",
+                    G="i32", stride_limb="i32", stride_am="i32", stride_wn="i32",
+                    stride_ym="i32")
     return dict(a_ptr="*i8", w_ptr="*i32", f_ptr="*i32", r_ptr="*i64", e_ptr="*i64",
                 emin_ptr="*i64", y_ptr=f"*i{width}", t_ptr="*i64", M="i32", N="i32", G="i32",
                 groups_per_slice="i32", stride_limb="i32", stride_am="i32", stride_wn="i32",
@@ -90,7 +100,10 @@ def kernels() -> dict:
             "exact_group_kernel": triton_group.exact_group_kernel,
             "fold_kernel": triton_folded.fold_kernel,
             "combine_kernel": triton_folded.combine_kernel,
-            "grouped_kernel": triton_grouped.grouped_kernel}
+            "grouped_kernel": triton_grouped.grouped_kernel,
+            "scales_kernel": triton_scales.scales_kernel,
+            "finish_kernel": triton_wide.finish_kernel,
+            "grouped_finish_kernel": triton_grouped.grouped_finish_kernel}
 
 
 def configurations(quick: bool = False) -> list[tuple[str, str, dict, dict]]:
@@ -123,6 +136,19 @@ def configurations(quick: bool = False) -> list[tuple[str, str, dict, dict]]:
                         _argument_types("combine_kernel", out.width, z="*i64"),
                         triton_folded.combine_constants(
                             1, 1, out, triton_folded.GPU_COMBINE_BLOCK)))
+    # the certificate on the device, and the finishing launch (slow rows, NaN outputs)
+    for w_bits in (4,) if quick else (4, 8):
+        for act_bits in (16,) if quick else (4, 8, 16, 32):
+            configs.append(("scales_kernel", f"w_bits {w_bits}, act_bits {act_bits}",
+                            _argument_types("scales_kernel", 32),
+                            dict(W_BITS=w_bits, SPREAD_LIMIT=dataflow.certified_spread(
+                                7168, w_bits, act_bits), BLOCK_N=triton_scales.SCALES_BLOCK_N)))
+        for limbs in (2,) if quick else (1, 2, 4):
+            for out in formats:
+                configs.append(("finish_kernel", f"w_bits {w_bits}, {limbs} limb(s), "
+                                f"out {out.name}", _argument_types("finish_kernel", out.width),
+                                triton_wide.finish_constants(
+                                    w_bits, limbs, 7168, {1: 8, 2: 16, 4: 32}[limbs], out)))
     # linear_folded's kernels, at every digit count the certificate allows (quick: the Kimi case,
     # two digits for spreads up to 3, 16-bit activations)
     most = max(dataflow.folded_weight_limbs(b, dataflow.max_folded_spread(b)) for b in (4, 8))
@@ -152,6 +178,15 @@ def configurations(quick: bool = False) -> list[tuple[str, str, dict, dict]]:
                                         w_bits, act_bits, 7168 if parts == 2 else 2048, out,
                                         parts, gather, triton_launch.BLOCK_M,
                                         triton_group.GPU_BLOCK_N)))
+                    if out is formats[0] or not quick:  # the slow rows' launch, one format
+                        configs.append(("grouped_finish_kernel",
+                                        f"w_bits {w_bits}, act_bits {act_bits}, out {out.name}, "
+                                        f"{parts} part(s){', gathered' if gather else ''}",
+                                        _argument_types("grouped_finish_kernel", out.width),
+                                        triton_grouped.grouped_finish_constants(
+                                            w_bits, act_bits, 7168 if parts == 2 else 2048, out,
+                                            parts, gather, triton_launch.BLOCK_M,
+                                            triton_group.GPU_BLOCK_N)))
     return configs
 
 

@@ -11,9 +11,11 @@ buffer addresses (weight_packed, weight_scale, weight_shape): nothing is derived
 write could leave stale. It derives what the group kernel's certificate holds (certificate.certify)
 from the scales as it goes: each weight row's emin and spread, then per group the factor
 f = ms << (es - emin). A row whose spread exceeds dataflow.certified_spread (a slow row) is
-computed in the tile by finish_kernel's multiword combine (triton/wide.py). A non-finite x row or
-scale, an expert not held here (a zero entry) or a weight_shape that disagrees give the
-canonical NaN, written by the kernel: nothing is read back. The dataflow is exact_group_kernel's:
+left to grouped_finish_kernel, a second launch over the same blocks, which computes it by
+finish_kernel's multiword combine (triton/wide.py); its programs return at once unless the first
+flagged one. A non-finite x row or scale, an expert not held here (a zero entry) or a
+weight_shape that disagrees give the canonical NaN, written by the kernel: nothing is read back.
+The dataflow is exact_group_kernel's:
 int8 dots per limb into P', P' * f into int64 (four limbs: two int32 halves, group_sums), with
 the limb offset's LIMB_OFFSET * sum_k q * f added per group (the same T, within
 dataflow.combine_bound in any order: proved, combine-*).
@@ -32,61 +34,75 @@ from . import layer
 from .group import BLOCK_N
 from .launch import BIT_VIEW, BLOCK_M, TRITON_INT, tl, triton
 from .quantize import quantize
+from .wide import WIDE_N
 
 if triton is not None:
     from .group import group_sums, group_term
     from .integers import store_exact, unpack_fields
     from .scales import bf16_scale, row_exponents
-    from .wide import store_nan, wide_tile
+    from .wide import store_nan, wide_columns
 
     @triton.jit
-    def grouped_kernel(
-        a_ptr, e_ptr, bad_ptr, source_ptr, block_rows_ptr, block_expert_ptr, used_ptr, table_ptr,
-        y_ptr, rows_total, N, K, stride_limb, stride_am, stride_ym,
-        W_BITS: tl.constexpr, LIMBS: tl.constexpr, LIMB_OFFSET: tl.constexpr,
-        DOT_ACC: tl.constexpr, COMBINE_ACC: tl.constexpr, SPREAD_LIMIT: tl.constexpr,
-        WORDS: tl.constexpr, OUT_MANT: tl.constexpr, OUT_EXP: tl.constexpr,
-        PARTS: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-    ):
-        """Block program_id(0) of routed rows (one expert's) against the columns program_id(1)
-        of PARTS parts' outputs: y[row, part * N + n], rounded once. Row r reads input row
-        source[r] (GATHER) or r of the limbs a [L, M, K], row exponents e [M] and flags bad [M]
-        (a row of x holding inf or NaN)."""
-        pid_m = tl.program_id(0)
-        if pid_m >= tl.load(used_ptr):
-            return
-        expert = tl.load(block_expert_ptr + pid_m)
+    def block_layer(table_ptr, block_rows_ptr, block_expert_ptr, source_ptr, rows_total, N, K,
+                    PARTS: tl.constexpr, GATHER: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr):
+        """What program (block program_id(0), columns program_id(1)) reads: (w_ptr, s_ptr, live,
+        rows, valid, src, offs_n, part). live [BLOCK_N]: its expert is held here (a nonzero
+        table entry) and weight_shape is [N, K], else nothing of the layer is read; rows: the
+        block's routed row ids (0 for padding, valid false), src the rows of x they read."""
         tiles = tl.cdiv(N, BLOCK_N)
         part = tl.program_id(1) // tiles
         offs_n = (tl.program_id(1) % tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < N
+        expert = tl.load(block_expert_ptr + tl.program_id(0))
         entry = table_ptr + (expert * PARTS + part) * 4  # packed, scale, shape, shape is int64
         offs_2 = tl.arange(0, 2)
-        # an expert this process does not hold: a zero entry (offs_2 * 0 +: a scalar's bool
-        # widened to a vector, as the interpreter's masks need)
+        # offs_2 * 0 +: a scalar's bool widened to a vector, as the interpreter's masks need
         held = offs_2 * 0 + tl.load(entry) != 0
         w_ptr = tl.load(entry).to(tl.pointer_type(tl.int32))
         s_ptr = tl.load(entry + 1).to(tl.pointer_type(tl.int16))
-        rows = tl.load(block_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
-        valid = rows < rows_total  # padding: the row id rows_total
-        rows = tl.where(valid, rows, 0)
-        if GATHER:
-            src = tl.load(source_ptr + rows, mask=valid, other=0)
-        else:
-            src = rows
-        groups = K // 32
         if tl.load(entry + 3) != 0:  # weight_shape int64, or int32
             shape = tl.load(tl.load(entry + 2).to(tl.pointer_type(tl.int64)) + offs_2,
                             mask=held, other=0)
         else:
             shape = tl.load(tl.load(entry + 2).to(tl.pointer_type(tl.int32)) + offs_2,
                             mask=held, other=0).to(tl.int64)
-        # a layer read as it is, or not at all: held, and weight_shape [N, K]
         live = offs_n * 0 + tl.sum((shape == tl.where(offs_2 == 0, N, K)).to(tl.int32)) == 2
+        rows = tl.load(block_rows_ptr + tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M))
+        valid = rows < rows_total  # padding: the row id rows_total
+        rows = tl.where(valid, rows, 0)
+        if GATHER:
+            src = tl.load(source_ptr + rows, mask=valid, other=0)
+        else:
+            src = rows
+        return w_ptr, s_ptr, live, rows, valid, src, offs_n, part
+
+    @triton.jit
+    def grouped_kernel(
+        a_ptr, e_ptr, bad_ptr, source_ptr, block_rows_ptr, block_expert_ptr, used_ptr, table_ptr,
+        y_ptr, slow_ptr, rows_total, N, K, stride_limb, stride_am, stride_ym,
+        W_BITS: tl.constexpr, LIMBS: tl.constexpr, LIMB_OFFSET: tl.constexpr,
+        DOT_ACC: tl.constexpr, COMBINE_ACC: tl.constexpr, SPREAD_LIMIT: tl.constexpr,
+        OUT_MANT: tl.constexpr, OUT_EXP: tl.constexpr, PARTS: tl.constexpr,
+        GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ):
+        """Block program_id(0) of routed rows (one expert's) against the columns program_id(1)
+        of PARTS parts' outputs: y[row, part * N + n], rounded once; the slow rows left to
+        grouped_finish_kernel, flagged in slow [program]. Row r reads input row source[r]
+        (GATHER) or r of the limbs a [L, M, K], row exponents e [M] and flags bad [M] (a row of
+        x holding inf or NaN)."""
+        pid_m = tl.program_id(0)
+        if pid_m >= tl.load(used_ptr):
+            return
+        w_ptr, s_ptr, live, rows, valid, src, offs_n, part = block_layer(
+            table_ptr, block_rows_ptr, block_expert_ptr, source_ptr, rows_total, N, K, PARTS,
+            GATHER, BLOCK_M, BLOCK_N)
+        mask_n = offs_n < N
+        groups = K // 32
         mask_w = mask_n & live
         emin, spread, nonfinite = row_exponents(s_ptr, offs_n, mask_w, groups)
         slow = (spread > SPREAD_LIMIT) & mask_w
+        tl.store(slow_ptr + pid_m * tl.num_programs(1) + tl.program_id(1),
+                 tl.max(slow.to(tl.int8)))
         per_word: tl.constexpr = 32 // W_BITS
         offs_w = tl.arange(0, W_BITS)
         fields = tl.arange(0, per_word) * W_BITS
@@ -106,19 +122,42 @@ if triton is not None:
                 q_sum = tl.sum(w8.to(tl.int32), axis=1)
                 acc += (LIMB_OFFSET * q_sum.to(COMBINE_ACC) * f.to(COMBINE_ACC))[None, :]
         e_r = tl.load(e_ptr + src, mask=valid, other=0)
-        e = e_r[:, None] + emin.to(tl.int64)[None, :]
         y_ptrs = y_ptr + rows[:, None] * stride_ym + (part * N + offs_n)[None, :]
         out = valid[:, None] & mask_n[None, :]
         bad = tl.load(bad_ptr + src, mask=valid, other=0) != 0
         nan = (bad[:, None] | (nonfinite | ~live)[None, :]) & out
-        store_exact(acc.to(tl.int64), e, y_ptrs, out & ~slow[None, :] & ~nan, OUT_MANT, OUT_EXP)
-        if tl.max(slow.to(tl.int32)) > 0:  # the slow rows, as finish_kernel computes them
-            m, e = wide_tile(a_ptr, src, valid, stride_limb, stride_am, w_ptr, groups * W_BITS,
-                             s_ptr, offs_n, mask_w, emin, e, groups, W_BITS, LIMBS, LIMB_OFFSET,
-                             DOT_ACC, WORDS, BLOCK_M, BLOCK_N)
-            store_exact(m, e, y_ptrs, out & slow[None, :] & ~nan, OUT_MANT, OUT_EXP)
+        store_exact(acc.to(tl.int64), e_r[:, None] + emin.to(tl.int64)[None, :], y_ptrs,
+                    out & ~slow[None, :] & ~nan, OUT_MANT, OUT_EXP)
         if tl.max(nan.to(tl.int32)) > 0:
             store_nan(y_ptrs, nan, OUT_MANT, OUT_EXP)
+
+    @triton.jit
+    def grouped_finish_kernel(
+        a_ptr, e_ptr, bad_ptr, source_ptr, block_rows_ptr, block_expert_ptr, used_ptr,
+        table_ptr, y_ptr, slow_ptr, rows_total, N, K, stride_limb, stride_am, stride_ym,
+        SPREAD_LIMIT: tl.constexpr, W_BITS: tl.constexpr, LIMBS: tl.constexpr,
+        LIMB_OFFSET: tl.constexpr, WORDS: tl.constexpr, OUT_MANT: tl.constexpr,
+        OUT_EXP: tl.constexpr, PARTS: tl.constexpr, GATHER: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_N: tl.constexpr,
+    ):
+        """grouped_kernel's program's slow rows, by finish_kernel's multiword combine
+        (wide.wide_columns); a program whose tile grouped_kernel flagged none returns at
+        once."""
+        pid_m = tl.program_id(0)
+        if pid_m >= tl.load(used_ptr):
+            return
+        if tl.load(slow_ptr + pid_m * tl.num_programs(1) + tl.program_id(1)) != 0:
+            w_ptr, s_ptr, live, rows, valid, src, offs_n, part = block_layer(
+                table_ptr, block_rows_ptr, block_expert_ptr, source_ptr, rows_total, N, K,
+                PARTS, GATHER, BLOCK_M, BLOCK_N)
+            bad = tl.load(bad_ptr + src, mask=valid, other=0) != 0
+            e_r = tl.load(e_ptr + src, mask=valid, other=0)
+            n_start = tl.min(offs_n)
+            for n0 in range(n_start, tl.minimum(N, n_start + BLOCK_N), WIDE_N):
+                wide_columns(a_ptr, src, valid, bad, e_r, stride_limb, stride_am, w_ptr,
+                             (K // 32) * W_BITS, s_ptr, n0, N, K // 32, y_ptr, rows,
+                             stride_ym, part * N, SPREAD_LIMIT, W_BITS, LIMBS, LIMB_OFFSET,
+                             WORDS, OUT_MANT, OUT_EXP, BLOCK_M, WIDE_N)
 
 
 def grouped_constants(w_bits: int, act_bits: int, k: int, out: FloatFormat, parts: int,
@@ -129,9 +168,19 @@ def grouped_constants(w_bits: int, act_bits: int, k: int, out: FloatFormat, part
                 DOT_ACC=TRITON_INT[dataflow.DOT_ACC_BITS],
                 COMBINE_ACC=TRITON_INT[dataflow.COMBINE_ACC_BITS],
                 SPREAD_LIMIT=dataflow.certified_spread(k, w_bits, act_bits),
-                WORDS=dataflow.WIDE_WORDS, OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits,
-                PARTS=parts, GATHER=gather,
+                OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits, PARTS=parts, GATHER=gather,
                 BLOCK_M=block_m, BLOCK_N=block_n)
+
+
+def grouped_finish_constants(w_bits: int, act_bits: int, k: int, out: FloatFormat,
+                             parts: int, gather: bool, block_m: int = BLOCK_M,
+                             block_n: int = BLOCK_N) -> dict:
+    """grouped_finish_kernel's compile-time constants: grouped_kernel's tile, finish_kernel's
+    words."""
+    return dict(SPREAD_LIMIT=dataflow.certified_spread(k, w_bits, act_bits), W_BITS=w_bits,
+                LIMBS=dataflow.act_limbs(act_bits), LIMB_OFFSET=dataflow.limb_offset(act_bits),
+                WORDS=dataflow.WIDE_WORDS, OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits,
+                PARTS=parts, GATHER=gather, BLOCK_M=block_m, BLOCK_N=block_n, WIDE_N=WIDE_N)
 
 
 def blocks(routing: Routing, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -194,10 +243,13 @@ def grouped_launch(x: torch.Tensor, routing: Routing, experts, bits: int, act_bi
     y = torch.empty((rows_total, parts * n), dtype=torch_dtype(out_format), device=device)
     block_rows, block_expert, used = blocks(routing, BLOCK_M)
     grid = (block_expert.numel(), parts * triton.cdiv(n, BLOCK_N))
-    grouped_kernel[grid](
-        limbs, e_r, bad, routing.token, block_rows, block_expert, used, table(experts, device),
-        y.view(BIT_VIEW[out_format.width]), rows_total, n, k, limbs.stride(0), limbs.stride(1),
-        y.stride(0), **grouped_constants(bits, act_bits, k, out_format, parts, gather))
+    slow = torch.empty(grid, dtype=torch.int8, device=device)  # each program's flag
+    args = (limbs, e_r, bad, routing.token, block_rows, block_expert, used, table(experts, device),
+            y.view(BIT_VIEW[out_format.width]), slow, rows_total, n, k, limbs.stride(0),
+            limbs.stride(1), y.stride(0))
+    grouped_kernel[grid](*args, **grouped_constants(bits, act_bits, k, out_format, parts, gather))
+    grouped_finish_kernel[grid](*args, **grouped_finish_constants(bits, act_bits, k, out_format,
+                                                                  parts, gather))
     return y
 
 

@@ -93,8 +93,8 @@ class _TritonKernel:
                 y = linear_folded(limbs, e_r, *args, folded_digits(weights), out_dtype)
             else:
                 y = linear(limbs, e_r, *args, out_dtype)
-            ys.append(finish(y, limbs, e_r, bad, weights.packed, weights.scale, emin, flags,
-                             weights.bits, out))
+            ys.append(finish(y, limbs, e_r, bad, weights.packed, weights.scale, flags,
+                             weights.bits, weights.act_bits, out))
         return ys[0] if len(ys) == 1 else torch.cat(ys)
 
 

@@ -21,6 +21,8 @@ SCALES_BLOCK_N = 256 if INTERPRETED else 64
 if triton is not None:
     from .integers import decode, unpack_fields
 
+    SLOW_BIT, NONFINITE_BIT = tl.constexpr(SLOW), tl.constexpr(NONFINITE)  # for the kernels
+
     @triton.jit
     def bf16_scale(s_ptr, offs_n, mask_n, groups, g):
         """(ms, es, finite) of the bf16 scales s[offs_n, g] (formats.decode_array; a non-finite
@@ -70,7 +72,7 @@ if triton is not None:
             r += q_sum.to(tl.int64) * f.to(tl.int64)
         tl.store(r_ptr + offs_n, r, mask=mask_n)
         tl.store(emin_ptr + offs_n, emin.to(tl.int64), mask=mask_n)
-        flags = slow.to(tl.int8) * 1 + nonfinite.to(tl.int8) * 2  # SLOW, NONFINITE
+        flags = slow.to(tl.int8) * SLOW_BIT + nonfinite.to(tl.int8) * NONFINITE_BIT
         tl.store(flags_ptr + offs_n, flags, mask=mask_n)
 
 

@@ -16,16 +16,16 @@ import torch
 
 from ... import dataflow
 from ...contract import GROUP_SIZE, FloatFormat
-from .launch import BIT_VIEW, BLOCK_M, tl, triton
-from .scales import NONFINITE, SLOW
+from .launch import BIT_VIEW, BLOCK_M, INTERPRETED, tl, triton
 
-FINISH_BLOCK_N = 16  # the tile's weight rows: tl.dot's least; WIDE_WORDS words an output
+FINISH_BLOCK_N = 64  # a finishing program's weight rows (and BLOCK_M rows of x)
+# weight rows a step of the multiword combine: WIDE_WORDS int64 words an output, in registers
+WIDE_N = 64 if INTERPRETED else 1
 
 
 if triton is not None:
-    from .group import group_sums
     from .integers import store_exact, unpack_fields
-    from .scales import bf16_scale
+    from .scales import NONFINITE_BIT, SLOW_BIT, bf16_scale, row_exponents
 
     @triton.jit
     def add_shifted(acc, v, shift, WORDS: tl.constexpr):
@@ -74,33 +74,44 @@ if triton is not None:
         return tl.where(negative, -m, m), e + tl.where(single, 0, 32 * (top - 1) + 2)
 
     @triton.jit
-    def wide_tile(a_ptr, rows, valid, stride_limb, stride_am, w_ptr, stride_wn, s_ptr, offs_n,
-                  mask_n, emin, e, G, W_BITS: tl.constexpr, LIMBS: tl.constexpr,
-                  LIMB_OFFSET: tl.constexpr, DOT_ACC: tl.constexpr, WORDS: tl.constexpr,
-                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        """(m, e') of wide_round for the tile: rows `rows` of the limbs a [L, M, K] against
-        weight rows offs_n, every scale spread, T = sum_g (P * ms) << (es - emin); e [BM, BN]
-        is e_r + emin."""
-        per_word: tl.constexpr = 32 // W_BITS
-        offs_w = tl.arange(0, W_BITS)
-        fields = tl.arange(0, per_word) * W_BITS
-        offs_k = tl.arange(0, 32)
-        acc = tl.zeros((BLOCK_M, BLOCK_N, WORDS), dtype=tl.int64)
-        for g in range(G):
-            words = tl.load(w_ptr + offs_n[:, None] * stride_wn + (g * W_BITS + offs_w)[None, :],
-                            mask=mask_n[:, None], other=0)
-            q = tl.reshape(unpack_fields(words, fields, W_BITS), (BLOCK_N, 32))
-            a_ptrs = a_ptr + rows[:, None] * stride_am + (g * 32 + offs_k)[None, :]
-            p_lo, p_hi = group_sums(a_ptrs, stride_limb, valid, q.to(tl.int8), LIMBS, DOT_ACC)
-            p = p_lo.to(tl.int64)  # P = P' + LIMB_OFFSET * sum_k q (dataflow step 2)
-            if LIMBS == 4:
-                p += p_hi.to(tl.int64) << 16
-            if LIMBS > 1:
-                p += LIMB_OFFSET * tl.sum(q, axis=1).to(tl.int64)[None, :]
-            ms, es, _ = bf16_scale(s_ptr, offs_n, mask_n, G, g)
-            shift = tl.where(ms != 0, es - emin.to(tl.int32), 0)
-            acc = add_shifted(acc, p * ms.to(tl.int64)[None, :], shift, WORDS)
-        return wide_round(acc, e, WORDS)
+    def wide_columns(a_ptr, a_rows, valid, bad, e_r, stride_limb, stride_am, w_ptr, stride_wn,
+                     s_ptr, n0, N, G, y_ptr, y_rows, stride_ym, col0,
+                     SPREAD_LIMIT: tl.constexpr, W_BITS: tl.constexpr, LIMBS: tl.constexpr,
+                     LIMB_OFFSET: tl.constexpr, WORDS: tl.constexpr, OUT_MANT: tl.constexpr,
+                     OUT_EXP: tl.constexpr, BLOCK_M: tl.constexpr, WIDE_N: tl.constexpr):
+        """The slow outputs of weight rows n0 .. n0 + WIDE_N (spread past SPREAD_LIMIT, scales
+        finite) for the limbs' rows a_rows, stored at y[y_rows, col0 + n]; nothing else. Each
+        group's P = sum_j 256**j * D_j + LIMB_OFFSET * sum_k q (dataflow step 2) is summed
+        elementwise (a few weight rows: no dot's least tile), then T = sum_g (P * ms) << shift
+        in WORDS words."""
+        offs_n = n0 + tl.arange(0, WIDE_N)
+        mask_n = offs_n < N
+        emin, spread, nonfinite = row_exponents(s_ptr, offs_n, mask_n, G)
+        slow = (spread > SPREAD_LIMIT) & mask_n & ~nonfinite
+        if tl.max(slow.to(tl.int32)) > 0:
+            per_word: tl.constexpr = 32 // W_BITS
+            offs_w = tl.arange(0, W_BITS)
+            fields = tl.arange(0, per_word) * W_BITS
+            offs_k = tl.arange(0, 32)
+            acc = tl.zeros((BLOCK_M, WIDE_N, WORDS), dtype=tl.int64)
+            for g in range(G):
+                words = tl.load(w_ptr + offs_n[:, None] * stride_wn
+                                + (g * W_BITS + offs_w)[None, :], mask=mask_n[:, None], other=0)
+                q = tl.reshape(unpack_fields(words, fields, W_BITS), (WIDE_N, 32))
+                p = tl.zeros((BLOCK_M, WIDE_N), dtype=tl.int64)
+                for j in tl.static_range(LIMBS):
+                    a = tl.load(a_ptr + j * stride_limb + a_rows[:, None] * stride_am
+                                + (g * 32 + offs_k)[None, :], mask=valid[:, None], other=0)
+                    d = tl.sum(a.to(tl.int32)[:, None, :] * q[None, :, :], axis=2)
+                    p += d.to(tl.int64) << (8 * j)
+                if LIMBS > 1:
+                    p += LIMB_OFFSET * tl.sum(q, axis=1).to(tl.int64)[None, :]
+                ms, es, _ = bf16_scale(s_ptr, offs_n, mask_n, G, g)
+                shift = tl.where(ms != 0, es - emin, 0)
+                acc = add_shifted(acc, p * ms.to(tl.int64)[None, :], shift, WORDS)
+            m, e = wide_round(acc, e_r[:, None] + emin.to(tl.int64)[None, :], WORDS)
+            store_exact(m, e, y_ptr + y_rows[:, None] * stride_ym + (col0 + offs_n)[None, :],
+                        valid[:, None] & ~bad[:, None] & slow[None, :], OUT_MANT, OUT_EXP)
 
     @triton.jit
     def store_nan(y_ptrs, nan, OUT_MANT: tl.constexpr, OUT_EXP: tl.constexpr):
@@ -111,56 +122,57 @@ if triton is not None:
 
     @triton.jit
     def finish_kernel(
-        a_ptr, e_ptr, bad_ptr, w_ptr, s_ptr, emin_ptr, flags_ptr, y_ptr, M, N, G,
+        a_ptr, e_ptr, bad_ptr, w_ptr, s_ptr, flags_ptr, y_ptr, M, N, G,
         stride_limb, stride_am, stride_wn, stride_ym,
-        W_BITS: tl.constexpr, LIMBS: tl.constexpr, LIMB_OFFSET: tl.constexpr,
-        DOT_ACC: tl.constexpr, WORDS: tl.constexpr, OUT_MANT: tl.constexpr,
+        SPREAD_LIMIT: tl.constexpr, W_BITS: tl.constexpr, LIMBS: tl.constexpr,
+        LIMB_OFFSET: tl.constexpr, WORDS: tl.constexpr, OUT_MANT: tl.constexpr,
         OUT_EXP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        WIDE_N: tl.constexpr,
     ):
         """The tile's slow weight rows by the multiword combine, and its NaN outputs; nothing
         else is written. bad [M] int8: a row of x holding inf or NaN (quantize's flag)."""
         offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_start = tl.program_id(1) * BLOCK_N
+        offs_n = n_start + tl.arange(0, BLOCK_N)
         mask_m = offs_m < M
         mask_n = offs_n < N
         flags = tl.load(flags_ptr + offs_n, mask=mask_n, other=0).to(tl.int32)
         bad = tl.load(bad_ptr + offs_m, mask=mask_m, other=0) != 0
-        mask = mask_m[:, None] & mask_n[None, :]
-        nan = (bad[:, None] | ((flags & NONFINITE) != 0)[None, :]) & mask
-        slow = ((flags & SLOW) != 0) & mask_n
-        y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-        if tl.max(slow.to(tl.int32)) > 0:
-            emin = tl.load(emin_ptr + offs_n, mask=mask_n, other=0)
-            e_r = tl.load(e_ptr + offs_m, mask=mask_m, other=0)
-            m, e = wide_tile(a_ptr, offs_m, mask_m, stride_limb, stride_am, w_ptr, stride_wn,
-                             s_ptr, offs_n, mask_n, emin, e_r[:, None] + emin[None, :], G,
-                             W_BITS, LIMBS, LIMB_OFFSET, DOT_ACC, WORDS, BLOCK_M, BLOCK_N)
-            store_exact(m, e, y_ptrs, mask & slow[None, :] & ~nan, OUT_MANT, OUT_EXP)
+        nan = (bad[:, None] | ((flags & NONFINITE_BIT) != 0)[None, :]) \
+            & mask_m[:, None] & mask_n[None, :]
         if tl.max(nan.to(tl.int32)) > 0:
-            store_nan(y_ptrs, nan, OUT_MANT, OUT_EXP)
+            store_nan(y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :], nan, OUT_MANT,
+                      OUT_EXP)
+        if tl.max(((flags & SLOW_BIT) != 0).to(tl.int32)) > 0:
+            e_r = tl.load(e_ptr + offs_m, mask=mask_m, other=0)
+            for n0 in range(n_start, tl.minimum(N, n_start + BLOCK_N), WIDE_N):
+                wide_columns(a_ptr, offs_m, mask_m, bad, e_r, stride_limb, stride_am, w_ptr,
+                             stride_wn, s_ptr, n0, N, G, y_ptr, offs_m, stride_ym, 0,
+                             SPREAD_LIMIT, W_BITS, LIMBS, LIMB_OFFSET, WORDS, OUT_MANT,
+                             OUT_EXP, BLOCK_M, WIDE_N)
 
 
-def finish_constants(w_bits: int, limbs: int, out: FloatFormat, block_m: int = BLOCK_M,
-                     block_n: int = FINISH_BLOCK_N) -> dict:
-    """finish_kernel's compile-time constants for activations in `limbs` int8 limbs, output in
-    `out` (a FloatFormat)."""
-    from .launch import TRITON_INT
-
-    return dict(W_BITS=w_bits, LIMBS=limbs, LIMB_OFFSET=dataflow.offset_for_limbs(limbs),
-                DOT_ACC=TRITON_INT[dataflow.DOT_ACC_BITS], WORDS=dataflow.WIDE_WORDS,
-                OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits, BLOCK_M=block_m, BLOCK_N=block_n)
+def finish_constants(w_bits: int, limbs: int, k: int, act_bits: int, out: FloatFormat,
+                     block_m: int = BLOCK_M, block_n: int = FINISH_BLOCK_N) -> dict:
+    """finish_kernel's compile-time constants for activations in `limbs` int8 limbs (of
+    `act_bits`-bit ones: the certified spread), output in `out` (a FloatFormat)."""
+    return dict(SPREAD_LIMIT=dataflow.certified_spread(k, w_bits, act_bits), W_BITS=w_bits,
+                LIMBS=limbs, LIMB_OFFSET=dataflow.offset_for_limbs(limbs),
+                WORDS=dataflow.WIDE_WORDS, OUT_MANT=out.mant_bits, OUT_EXP=out.exp_bits,
+                BLOCK_M=block_m, BLOCK_N=block_n, WIDE_N=WIDE_N)
 
 
 def finish(y: torch.Tensor, limbs: torch.Tensor, e_r: torch.Tensor, bad: torch.Tensor,
-           weight_packed: torch.Tensor, weight_scale: torch.Tensor, emin: torch.Tensor,
-           flags: torch.Tensor, w_bits: int, out: FloatFormat) -> torch.Tensor:
+           weight_packed: torch.Tensor, weight_scale: torch.Tensor, flags: torch.Tensor,
+           w_bits: int, act_bits: int, out: FloatFormat) -> torch.Tensor:
     """y with its slow weight rows (flags' SLOW) computed exactly and its NaN outputs set, in
     place: one launch, nothing read back."""
     n_limbs, m, k = limbs.shape
     n = weight_packed.shape[0]
     grid = (triton.cdiv(m, BLOCK_M), triton.cdiv(n, FINISH_BLOCK_N))
     finish_kernel[grid](
-        limbs, e_r, bad, weight_packed, weight_scale.view(torch.int16), emin, flags,
+        limbs, e_r, bad, weight_packed, weight_scale.view(torch.int16), flags,
         y.view(BIT_VIEW[out.width]), m, n, k // GROUP_SIZE, limbs.stride(0), limbs.stride(1),
-        weight_packed.stride(0), y.stride(0), **finish_constants(w_bits, n_limbs, out))
+        weight_packed.stride(0), y.stride(0),
+        **finish_constants(w_bits, n_limbs, k, act_bits, out))
     return y
