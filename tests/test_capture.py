@@ -227,21 +227,9 @@ def test_the_op_bodies_read_nothing_back(monkeypatch, act_bits):
     mode sees nothing, so they are called here as functions) under the interpreter, its own
     copies aside, a slow row, a non-finite scale and a non-finite row of x included: no .item(),
     .tolist(), bool(), nonzero() or other read, wherever it is made (test_moe's CountReads)."""
-    from triton.runtime import interpreter
+    from tests.test_moe import counting_reads, experts_of, zero_case
 
-    from tests.test_moe import CountReads, experts_of, zero_case
-
-    counter = CountReads()
-    launch = interpreter.GridExecutor.__call__
-
-    def launching(self, *args, **kwargs):  # the interpreter copies to and from its "device"
-        counter.launching = True
-        try:
-            return launch(self, *args, **kwargs)
-        finally:
-            counter.launching = False
-
-    monkeypatch.setattr(interpreter.GridExecutor, "__call__", launching)
+    counter = counting_reads(monkeypatch)
     torch.manual_seed(act_bits)
     layer = ExactLinear.from_weight(torch.randn(24, 64), act_bits=act_bits, backend="triton")
     layer.weight_scale.data[3] = torch.tensor([2.0**-100, 2.0**80]).bfloat16()  # a slow row

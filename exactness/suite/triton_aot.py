@@ -18,6 +18,7 @@ The interpreter replaces the kernels, so this runs in a process without TRITON_I
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -165,28 +166,22 @@ def configurations(quick: bool = False) -> list[tuple[str, str, dict, dict]]:
                                 _argument_types("combine_kernel", out.width),
                                 triton_folded.combine_constants(
                                     a_limbs, w_limbs, out, triton_folded.GPU_COMBINE_BLOCK)))
-    # the grouped MoE kernel: gate and up (two parts, rows gathered by token), down (one part)
+    # the grouped MoE kernel and its slow rows' launch: gate and up (two parts, rows gathered by
+    # token), down (one part)
+    grouped = (("grouped_kernel", triton_grouped.grouped_constants),
+               ("grouped_finish_kernel", triton_grouped.grouped_finish_constants))
     for w_bits in (4,) if quick else (4, 8):
         for act_bits in (16,) if quick else (8, 16, 32):
             for out in formats:
-                for parts, gather in ((2, True), (1, False)):
-                    configs.append(("grouped_kernel", f"w_bits {w_bits}, act_bits {act_bits}, "
+                for (parts, gather), (name, constants) in itertools.product(
+                        ((2, True), (1, False)), grouped):
+                    configs.append((name, f"w_bits {w_bits}, act_bits {act_bits}, "
                                     f"out {out.name}, {parts} part(s)"
                                     f"{', gathered' if gather else ''}",
-                                    _argument_types("grouped_kernel", out.width),
-                                    triton_grouped.grouped_constants(
-                                        w_bits, act_bits, 7168 if parts == 2 else 2048, out,
-                                        parts, gather, triton_launch.BLOCK_M,
-                                        triton_group.GPU_BLOCK_N)))
-                    if out is formats[0] or not quick:  # the slow rows' launch, one format
-                        configs.append(("grouped_finish_kernel",
-                                        f"w_bits {w_bits}, act_bits {act_bits}, out {out.name}, "
-                                        f"{parts} part(s){', gathered' if gather else ''}",
-                                        _argument_types("grouped_finish_kernel", out.width),
-                                        triton_grouped.grouped_finish_constants(
-                                            w_bits, act_bits, 7168 if parts == 2 else 2048, out,
-                                            parts, gather, triton_launch.BLOCK_M,
-                                            triton_group.GPU_BLOCK_N)))
+                                    _argument_types(name, out.width),
+                                    constants(w_bits, act_bits, 7168 if parts == 2 else 2048, out,
+                                              parts, gather, triton_launch.BLOCK_M,
+                                              triton_group.GPU_BLOCK_N)))
     return configs
 
 
