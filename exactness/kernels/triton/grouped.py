@@ -12,9 +12,9 @@ write could leave stale. It derives what the group kernel's certificate holds (c
 from the scales as it goes: each weight row's emin and spread, then per group the factor
 f = ms << (es - emin). A row whose spread exceeds dataflow.certified_spread (a slow row) is
 left to grouped_finish_kernel, a second launch over the same blocks, which computes it by
-finish_kernel's multiword combine (triton/wide.py); its programs return at once unless the first
-flagged one. A non-finite x row or scale, an expert not held here (a zero entry) or a
-weight_shape that disagrees give the canonical NaN, written by the kernel: nothing is read back.
+finish_kernel's multiword combine (triton/wide.py). It also writes the canonical NaN of a
+non-finite x row or scale, an expert not held here (a zero entry) and a weight_shape that
+disagrees; its programs with neither return after their first reads. Nothing is read back.
 The dataflow is exact_group_kernel's:
 int8 dots per limb into P', P' * f into int64 (four limbs: two int32 halves, group_sums), with
 the limb offset's LIMB_OFFSET * sum_k q * f added per group (the same T, within
@@ -86,10 +86,9 @@ if triton is not None:
         GATHER: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         """Block program_id(0) of routed rows (one expert's) against the columns program_id(1)
-        of PARTS parts' outputs: y[row, part * N + n], rounded once; the slow rows left to
-        grouped_finish_kernel, flagged in slow [program]. Row r reads input row source[r]
-        (GATHER) or r of the limbs a [L, M, K], row exponents e [M] and flags bad [M] (a row of
-        x holding inf or NaN)."""
+        of PARTS parts' outputs: y[row, part * N + n], rounded once; the slow rows and NaN
+        outputs left to grouped_finish_kernel, flagged in slow [program]. Row r reads input
+        row source[r] (GATHER) or r of the limbs a [L, M, K] and row exponents e [M]."""
         pid_m = tl.program_id(0)
         if pid_m >= tl.load(used_ptr):
             return
@@ -101,8 +100,9 @@ if triton is not None:
         mask_w = mask_n & live
         emin, spread, nonfinite = row_exponents(s_ptr, offs_n, mask_w, groups)
         slow = (spread > SPREAD_LIMIT) & mask_w
+        # what grouped_finish_kernel must write: slow rows, NaN (a non-finite scale, a dead layer)
         tl.store(slow_ptr + pid_m * tl.num_programs(1) + tl.program_id(1),
-                 tl.max(slow.to(tl.int8)))
+                 tl.max((slow | ((nonfinite | ~live) & mask_n)).to(tl.int8)))
         per_word: tl.constexpr = 32 // W_BITS
         offs_w = tl.arange(0, W_BITS)
         fields = tl.arange(0, per_word) * W_BITS
@@ -124,12 +124,8 @@ if triton is not None:
         e_r = tl.load(e_ptr + src, mask=valid, other=0)
         y_ptrs = y_ptr + rows[:, None] * stride_ym + (part * N + offs_n)[None, :]
         out = valid[:, None] & mask_n[None, :]
-        bad = tl.load(bad_ptr + src, mask=valid, other=0) != 0
-        nan = (bad[:, None] | (nonfinite | ~live)[None, :]) & out
-        store_exact(acc.to(tl.int64), e_r[:, None] + emin.to(tl.int64)[None, :], y_ptrs,
-                    out & ~slow[None, :] & ~nan, OUT_MANT, OUT_EXP)
-        if tl.max(nan.to(tl.int32)) > 0:
-            store_nan(y_ptrs, nan, OUT_MANT, OUT_EXP)
+        store_exact(acc.to(tl.int64), e_r[:, None] + emin.to(tl.int64)[None, :], y_ptrs, out,
+                    OUT_MANT, OUT_EXP)
 
     @triton.jit
     def grouped_finish_kernel(
@@ -140,20 +136,27 @@ if triton is not None:
         OUT_EXP: tl.constexpr, PARTS: tl.constexpr, GATHER: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WIDE_N: tl.constexpr,
     ):
-        """grouped_kernel's program's slow rows, by finish_kernel's multiword combine
-        (wide.wide_columns); a program whose tile grouped_kernel flagged none returns at
-        once."""
+        """grouped_kernel's program's NaN outputs (a non-finite row of x or scale, a layer not
+        held or of another shape) and slow rows, by finish_kernel's multiword combine
+        (wide.wide_columns); a program with neither returns after its first reads."""
         pid_m = tl.program_id(0)
         if pid_m >= tl.load(used_ptr):
             return
-        if tl.load(slow_ptr + pid_m * tl.num_programs(1) + tl.program_id(1)) != 0:
-            w_ptr, s_ptr, live, rows, valid, src, offs_n, part = block_layer(
-                table_ptr, block_rows_ptr, block_expert_ptr, source_ptr, rows_total, N, K,
-                PARTS, GATHER, BLOCK_M, BLOCK_N)
-            bad = tl.load(bad_ptr + src, mask=valid, other=0) != 0
+        w_ptr, s_ptr, live, rows, valid, src, offs_n, part = block_layer(
+            table_ptr, block_rows_ptr, block_expert_ptr, source_ptr, rows_total, N, K, PARTS,
+            GATHER, BLOCK_M, BLOCK_N)
+        bad = tl.load(bad_ptr + src, mask=valid, other=0) != 0
+        flagged = tl.load(slow_ptr + pid_m * tl.num_programs(1) + tl.program_id(1))
+        if (flagged != 0) | (tl.max(bad.to(tl.int32)) > 0):
+            mask_n = offs_n < N
+            _, _, nonfinite = row_exponents(s_ptr, offs_n, mask_n & live, K // 32)
+            nan = (bad[:, None] | (nonfinite | ~live)[None, :]) & valid[:, None] & mask_n[None, :]
+            store_nan(y_ptr + rows[:, None] * stride_ym + (part * N + offs_n)[None, :], nan,
+                      OUT_MANT, OUT_EXP)
             e_r = tl.load(e_ptr + src, mask=valid, other=0)
             n_start = tl.min(offs_n)
-            for n0 in range(n_start, tl.minimum(N, n_start + BLOCK_N), WIDE_N):
+            n_live = tl.where(tl.max(live.to(tl.int32)) > 0, N, 0)  # a dead layer: nothing read
+            for n0 in range(n_start, tl.minimum(n_live, n_start + BLOCK_N), WIDE_N):
                 wide_columns(a_ptr, src, valid, bad, e_r, stride_limb, stride_am, w_ptr,
                              (K // 32) * W_BITS, s_ptr, n0, N, K // 32, y_ptr, rows,
                              stride_ym, part * N, SPREAD_LIMIT, W_BITS, LIMBS, LIMB_OFFSET,
