@@ -480,8 +480,8 @@ CATALOGUE = (
            "split K: the limb offset's sum added by every slice of K instead of the first",
            (TRITON, "tests/test_modules.py::test_the_group_kernels_k_split_changes_no_bit")),
     Mutant("kernel-offset-sum-of-biased-fields", triton_at(triton_scales, "scales_kernel"),
-           "r += q_sum.to(tl.int64) * f.to(tl.int64)",
-           "r += (q_sum + 256).to(tl.int64) * f.to(tl.int64)",
+           "r += tl.sum(q_sum.to(tl.int64) * f.to(tl.int64), axis=1)",
+           "r += tl.sum((q_sum + 256).to(tl.int64) * f.to(tl.int64), axis=1)",
            "the limb offset's sum taken over the stored fields (q + 8), not q",
            (TRITON, FOLDED)),
     # --- the device's slow rows and NaN rows, and host reads planted in a GPU forward

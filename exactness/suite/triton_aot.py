@@ -142,8 +142,7 @@ def configurations(quick: bool = False) -> list[tuple[str, str, dict, dict]]:
         for act_bits in (16,) if quick else (4, 8, 16, 32):
             configs.append(("scales_kernel", f"w_bits {w_bits}, act_bits {act_bits}",
                             _argument_types("scales_kernel", 32),
-                            dict(W_BITS=w_bits, SPREAD_LIMIT=dataflow.certified_spread(
-                                7168, w_bits, act_bits), BLOCK_N=triton_scales.SCALES_BLOCK_N)))
+                            triton_scales.scales_constants(w_bits, 7168, act_bits)))
         for limbs in (2,) if quick else (1, 2, 4):
             for out in formats:
                 configs.append(("finish_kernel", f"w_bits {w_bits}, {limbs} limb(s), "

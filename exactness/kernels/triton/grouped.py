@@ -39,7 +39,7 @@ from .wide import WIDE_N
 if triton is not None:
     from .group import group_sums, group_term
     from .integers import store_exact, unpack_fields
-    from .scales import bf16_scale, row_exponents
+    from .scales import ROW_GROUPS_STEP, bf16_scale, row_exponents
     from .wide import store_nan, wide_columns
 
     @triton.jit
@@ -98,7 +98,7 @@ if triton is not None:
         mask_n = offs_n < N
         groups = K // 32
         mask_w = mask_n & live
-        emin, spread, nonfinite = row_exponents(s_ptr, offs_n, mask_w, groups)
+        emin, spread, nonfinite = row_exponents(s_ptr, offs_n, mask_w, groups, ROW_GROUPS_STEP)
         slow = (spread > SPREAD_LIMIT) & mask_w
         # what grouped_finish_kernel must write: slow rows, NaN (a non-finite scale, a dead layer)
         tl.store(slow_ptr + pid_m * tl.num_programs(1) + tl.program_id(1),
@@ -149,7 +149,8 @@ if triton is not None:
         flagged = tl.load(slow_ptr + pid_m * tl.num_programs(1) + tl.program_id(1))
         if (flagged != 0) | (tl.max(bad.to(tl.int32)) > 0):
             mask_n = offs_n < N
-            _, _, nonfinite = row_exponents(s_ptr, offs_n, mask_n & live, K // 32)
+            _, _, nonfinite = row_exponents(s_ptr, offs_n, mask_n & live, K // 32,
+                                            ROW_GROUPS_STEP)
             nan = (bad[:, None] | (nonfinite | ~live)[None, :]) & valid[:, None] & mask_n[None, :]
             store_nan(y_ptr + rows[:, None] * stride_ym + (part * N + offs_n)[None, :], nan,
                       OUT_MANT, OUT_EXP)

@@ -25,7 +25,7 @@ WIDE_N = 64 if INTERPRETED else 1
 
 if triton is not None:
     from .integers import store_exact, unpack_fields
-    from .scales import NONFINITE_BIT, SLOW_BIT, bf16_scale, row_exponents
+    from .scales import NONFINITE_BIT, ROW_GROUPS_STEP, SLOW_BIT, bf16_scale, row_exponents
 
     @triton.jit
     def add_shifted(acc, v, shift, WORDS: tl.constexpr):
@@ -86,7 +86,7 @@ if triton is not None:
         in WORDS words."""
         offs_n = n0 + tl.arange(0, WIDE_N)
         mask_n = offs_n < N
-        emin, spread, nonfinite = row_exponents(s_ptr, offs_n, mask_n, G)
+        emin, spread, nonfinite = row_exponents(s_ptr, offs_n, mask_n, G, ROW_GROUPS_STEP)
         slow = (spread > SPREAD_LIMIT) & mask_n & ~nonfinite
         if tl.max(slow.to(tl.int32)) > 0:
             per_word: tl.constexpr = 32 // W_BITS
