@@ -5,11 +5,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 HYPOTHESIS_PROFILE ?= ci
 export HYPOTHESIS_PROFILE
-# The kernel is checked on CPU under the Triton interpreter.
-export TRITON_INTERPRET ?= 1
+# Where the suite runs the Triton kernels (exactness.suite.device): interpret (under the Triton
+# interpreter, on the CPU) or cuda (compiled, on the GPU): make verify DEVICE=cuda.
+DEVICE ?= interpret
+export EXACTNESS_DEVICE := $(DEVICE)
 PYTEST_ARGS ?= -n 2
 
-.PHONY: setup test verify lint prove bench mutants mutmut repro precision peers clean
+.PHONY: gpu-wheels setup test verify lint prove bench mutants mutmut repro precision peers clean
 
 setup: $(STAMP)
 
@@ -27,7 +29,7 @@ verify: setup
 	$(BIN)/python -m exactness verify $(VERIFY_ARGS)
 
 precision: setup
-	TRITON_INTERPRET=0 $(BIN)/python -m exactness precision
+	EXACTNESS_DEVICE= TRITON_INTERPRET=0 $(BIN)/python -m exactness precision
 
 mutants: setup
 	$(BIN)/python -m exactness mutants
@@ -53,11 +55,20 @@ prove: setup
 	$(BIN)/python -m exactness prove
 
 bench: setup
-	TRITON_INTERPRET=0 $(BIN)/python bench/bench_forward.py
-	TRITON_INTERPRET=0 $(BIN)/python -m bench.bench_moe
+	EXACTNESS_DEVICE= TRITON_INTERPRET=0 $(BIN)/python bench/bench_forward.py
+	EXACTNESS_DEVICE= TRITON_INTERPRET=0 $(BIN)/python -m bench.bench_moe
 
 lint: setup
 	$(BIN)/ruff check exactness tests proofs bench conftest.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis reports mutants
+
+# The wheels bench/gpu_check.sh installs on a bare GPU machine (Python 3.12, no network): what it
+# lacks of the suite's needs, pinned to the versions .venv has. Carry .whl with the device call.
+GPU_WHEELS := z3-solver==5.4.1.0 compressed-tensors==0.20.1 pydantic==2.14.4 \
+	pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5 loguru==0.7.3
+gpu-wheels:
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+		--implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl $(GPU_WHEELS)

@@ -7,7 +7,9 @@ host's time beyond the kernels' (host_overhead). Then timings (CUDA events, medi
 bf16 matmul, the group and folded paths, each also from a CUDA graph, the quantization and the
 group kernel's tiles; the MoE experts vs the per-expert loop and bf16, read-backs counted
 (moe_check); a checkpoint streamed to the GPU (load_check). Prints tables; exit 1 on any
-differing bit, a non-finite x let through, a failed capture or a read-back; 2 without CUDA."""
+differing bit, a non-finite x let through, a failed capture or a read-back; 3 without CUDA
+(nothing checked: unknown). `--parts` runs some of it: exact, capture, tables (the default: all
+three), memcheck (a few shapes once, for compute-sanitizer: bench/gpu_check.sh)."""
 
 from __future__ import annotations
 
@@ -125,10 +127,65 @@ def kimi_on(k: int, n: int, device: str, act_bits: int = 16):
     return layer, w
 
 
-def main() -> int:
+PARTS = ("exact", "capture", "tables", "memcheck")
+NO_GPU = 3  # bench/gpu_check.sh reads it as unknown: nothing was checked
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python bench/gpu_check.py")
+    parser.add_argument("--parts", default="exact,capture,tables",
+                        help=f"comma-separated, of {', '.join(PARTS)}")
+    parts = parser.parse_args(argv).parts.split(",")
+    if not set(parts) <= set(PARTS):
+        parser.error(f"--parts takes {', '.join(PARTS)}, got {','.join(parts)}")
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
-        return 2
+        return NO_GPU
+    print(f"GPU: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
+    bad = 0
+    if "exact" in parts:
+        bad += exact_check()
+    if "capture" in parts:
+        for check in (capture_check, sync_check, moe_capture_check, host_overhead):
+            bad += guarded(check)  # before the long tables: a run cut short still reports these
+    if "memcheck" in parts:
+        bad += memcheck_shapes()
+    if "tables" in parts:
+        bad += speed_tables()
+    return 1 if bad else 0
+
+
+def memcheck_shapes() -> int:
+    """A few shapes once each, small enough for compute-sanitizer's memcheck (every access
+    checked, ~100x slower): the layer's paths (group, folded, 32-bit activations, a slow row, a
+    NaN row, a tail of K and N) and one grouped MoE call; each against the reference."""
+    rng = np.random.default_rng(1)
+    bad = 0
+    for (k, n), m, act_bits in [((256, 40), 3, 16), ((512, 72), 70, 8), ((96, 24), 5, 32),
+                                ((7168, 64), 17, 16)]:
+        q = rng.integers(-8, 8, (n, k))
+        scales = 0x3C00 + rng.integers(0, 256, (n, k // 32))
+        scales[1, 0::2], scales[1, 1::2] = 0x2180, 0x5380  # a slow row: 2**-60 and 2**40
+        x = rng.integers(0, 0x7F00, (m, k))
+        x[m - 1, 0] = 0x7FC0  # a NaN row
+        case = LinearCase(x, BFLOAT16, q, pack_weights(q, 4), scales, act_bits, BFLOAT16)
+        same_bits = bool((run(case, "triton") == run(case, "reference")).all())
+        print(f"memcheck shape K={k} N={n} M={m} act_bits={act_bits}: "
+              f"{'exact' if same_bits else 'DIFFERENT BITS'}", flush=True)
+        bad += not same_bits
+    experts = exact_experts(4)
+    x, ids, weights = routed(5, 4, 0)
+    y = experts(x, ids, weights)
+    torch.cuda.synchronize()
+    print(f"memcheck MoE call, 4 experts, 5 tokens: {tuple(y.shape)} done", flush=True)
+    return bad
+
+
+def exact_check() -> int:
+    """The contract's vectors and six Kimi-size cases against the reference; x's non-finite
+    rows NaN."""
     bad = 0
     for case in load_vectors():  # every width: the group kernel carries 32-bit activations
         bad += int(not (run(case, "triton") == case.expected).all())
@@ -143,9 +200,12 @@ def main() -> int:
     print(f"bit-exactness: {'OK' if bad == 0 else f'{bad} cases differ'}")
     nan_rows = nonfinite_rows("cuda")
     print(f"non-finite x: {'NaN rows; strict: ValueError with the count' if nan_rows else 'WRONG'}")
-    bad += not nan_rows
-    for check in (capture_check, sync_check, moe_capture_check, host_overhead):
-        bad += guarded(check)  # before the long tables: a run cut short still reports these
+    return bad + (not nan_rows)
+
+
+def speed_tables() -> int:
+    """The timings: the layer against bf16, each path, graphed; tiles; the MoE call; a load."""
+    bad = 0
     print(f"| shape | M | exact ms (layer) | bf16 ms | ratio bf16/exact (speed-up) | "
           f"group kernel ms (K split as k_slices says / whole) | folded ms "
           f"(triton_layer.FOLDED_MIN_ROWS = {triton_layer.FOLDED_MIN_ROWS}) | "

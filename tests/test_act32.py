@@ -21,7 +21,7 @@ from exactness.kernels.routing import route
 from exactness.moe import projection
 from exactness.suite.cases import LinearCase
 from exactness.suite.counterexamples import check_bits
-from exactness.suite.paths import available_paths, held_act_bits, layer_for, run
+from exactness.suite.paths import available_paths, device_of, held_act_bits, layer_for, run
 from exactness.suite.reference import quantize_activations
 from exactness.suite.strategies import activation_bits, int_weights, scale_bits
 from tests.test_modules import skip_unless_here
@@ -151,18 +151,19 @@ def test_the_cpu_plan_at_32_bits_takes_the_c_kernel_and_says_why_not_the_others(
 
 
 @pytest.mark.skipif("triton" not in available_paths(), reason="Triton needs a GPU or "
-                    "TRITON_INTERPRET=1")
+                    "EXACTNESS_DEVICE=interpret")
 def test_the_triton_backend_takes_32_bits_through_the_group_kernel_at_any_rows():
     """The folded GEMM carries two limbs and says so; from its 64 rows on, the plan passes it
     over for the group kernel, which gives wide's bits."""
     torch.manual_seed(0)
     w, x = torch.randn(8, 64), torch.randn(64, 64)
-    layer = ExactLinear.from_weight(w, act_bits=32, backend="triton")
-    plan = layer.plan(x)
+    device = device_of("triton")
+    layer = ExactLinear.from_weight(w, act_bits=32, backend="triton").to(device)
+    plan = layer.plan(x.to(device))
     assert plan.kernel.name == "triton-group"
     assert "needs 4 int8 limbs, it carries at most 2" in dict(plan.passed_over)["triton-folded"]
     want = ExactLinear.from_weight(w, act_bits=32, kernel="wide")(x)
-    assert torch.equal(tensor_to_bits_t(layer(x)), tensor_to_bits_t(want))
+    assert torch.equal(tensor_to_bits_t(layer(x.to(device))), tensor_to_bits_t(want))
 
 
 @pytest.mark.parametrize("grouped_limbs", [4, 2])

@@ -24,7 +24,7 @@ from exactness.formats import pack_weights
 from exactness.kernels import REGISTRY
 from exactness.suite.cases import LinearCase
 from exactness.suite.counterexamples import check_bits
-from exactness.suite.paths import require, run
+from exactness.suite.paths import device_of, require, run
 from exactness.suite.strategies import linear_cases, scale_bits
 from tests.test_modules import folded_case, needs_triton
 
@@ -147,10 +147,11 @@ def test_torch_compile_traces_the_layer_whole_with_the_eager_bits(backend):
     """torch.compile(fullgraph=True) of a module that calls the layer: no graph break (one
     would raise), and the eager bits, NaN rows and slow rows included."""
     torch.manual_seed(1)
-    layer = ExactLinear.from_weight(torch.randn(24, 64), act_bits=16, backend=backend)
+    device = device_of(backend)
+    layer = ExactLinear.from_weight(torch.randn(24, 64), act_bits=16, backend=backend).to(device)
     scale = layer.weight_scale
     scale.data[3] = torch.tensor([2.0**-100, 2.0**80]).bfloat16()  # a slow row
-    x = torch.randn(2, 5, 64).bfloat16()
+    x = torch.randn(2, 5, 64).bfloat16().to(device)
     x[1, 2, 7] = float("inf")
     eager = Wrapped(layer)(x)
     compiled = torch.compile(Wrapped(layer), fullgraph=True, backend="eager")(x)
@@ -231,10 +232,12 @@ def test_the_op_bodies_read_nothing_back(monkeypatch, act_bits):
 
     counter = counting_reads(monkeypatch)
     torch.manual_seed(act_bits)
-    layer = ExactLinear.from_weight(torch.randn(24, 64), act_bits=act_bits, backend="triton")
+    device = device_of("triton")
+    layer = ExactLinear.from_weight(torch.randn(24, 64), act_bits=act_bits,
+                                    backend="triton").to(device)
     layer.weight_scale.data[3] = torch.tensor([2.0**-100, 2.0**80]).bfloat16()  # a slow row
     layer.weight_scale.data[5, 1] = float("inf")
-    x = torch.randn(70, 64).bfloat16()  # from 64 rows: the folded GEMM, below: the group kernel
+    x = torch.randn(70, 64).bfloat16().to(device)  # from 64 rows: folded; below: the group
     x[2, 7] = float("nan")
     for rows in (x[:5], x):
         with counter:
@@ -247,9 +250,10 @@ def test_the_op_bodies_read_nothing_back(monkeypatch, act_bits):
     experts = experts_of(zero_case(3), "triton")
     buffers = [b for e in experts for layer in (e.gate_proj, e.up_proj, e.down_proj)
                for b in layer.checked_buffers()]
-    ids = torch.tensor([[0, 2], [1, 3], [2, 1], [5, 0], [0, 0]])  # padding, refused ids
+    ids = torch.tensor([[0, 2], [1, 3], [2, 1], [5, 0], [0, 0]], device=device)  # padding, refused
     with counter:
-        y = moe.device_experts(x[:5], ids, torch.ones(5, 2), buffers, 4, 16, torch.bfloat16,
+        y = moe.device_experts(x[:5], ids, torch.ones(5, 2, device=device), buffers, 4, 16,
+                               torch.bfloat16,
                                torch.bfloat16, torch.nn.functional.silu)
     assert counter.reads == [], counter.reads
     assert y[2].isnan().all() and y[3:].isnan().all() and not y[:2].isnan().any()

@@ -175,11 +175,15 @@ def test_layer_wrong_last_dim_and_dtypes():
 
 @pytest.mark.parametrize("path", [p for p in available_paths() if p in ("cpu", "triton")])
 def test_layer_empty_batch_and_non_contiguous_input(path):
-    layer = ExactLinear.from_weight(torch.randn(4, 64), backend=path)
-    assert layer(torch.randn(0, 64)).shape == (0, 4)
-    assert layer(torch.randn(2, 0, 64)).shape == (2, 0, 4)
-    for x in (torch.randn(64, 6).t(), torch.randn(6, 128)[:, ::2],  # transposed, strided
-              torch.randn(2, 3, 64).transpose(0, 1), torch.randn(1, 64).expand(5, 64)):
+    device = device_of(path)
+    layer = ExactLinear.from_weight(torch.randn(4, 64), backend=path).to(device)
+    assert layer(torch.randn(0, 64, device=device)).shape == (0, 4)
+    assert layer(torch.randn(2, 0, 64, device=device)).shape == (2, 0, 4)
+    def randn(*shape):
+        return torch.randn(*shape, device=device)
+
+    for x in (randn(64, 6).t(), randn(6, 128)[:, ::2],  # transposed, strided
+              randn(2, 3, 64).transpose(0, 1), randn(1, 64).expand(5, 64)):
         assert torch.equal(layer(x), layer(x.contiguous()))
 
 

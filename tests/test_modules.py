@@ -26,10 +26,12 @@ from exactness.suite.counterexamples import check_bits
 from exactness.suite.paths import (
     BACKENDS,
     available_paths,
+    device_of,
     held_act_bits,
     layer_for,
     require,
     run,
+    triton_device,
 )
 from exactness.suite.reference import quantize_activations
 from exactness.suite.strategies import (
@@ -47,8 +49,9 @@ pytestmark = pytest.mark.stage("equivalence")  # make verify's stage
 
 LAYER_PATHS = [p for p in available_paths() if p in BACKENDS]  # the layer as its plan picks
 KERNELS = [kernel.name for kernel in REGISTRY]
+TRITON_DEVICE = triton_device() or "cpu"  # the suite's device (exactness.suite.device)
 needs_triton = pytest.mark.skipif("triton" not in LAYER_PATHS,
-                                  reason="Triton needs a GPU or TRITON_INTERPRET=1")
+                                  reason="Triton needs a GPU or EXACTNESS_DEVICE=interpret")
 
 
 def check_path(case, path):
@@ -360,8 +363,8 @@ def test_the_group_kernels_k_split_changes_no_bit(case, slices):
     """The group kernel's T summed over slices of K (integer atomics, then combine_kernel's
     rounding) has the whole launch's bits, at any number of slices (the layer's own split is
     checked against the reference by every Triton test: the interpreter splits small launches)."""
-    layer = layer_for(case, "triton")
-    x = bits_to_tensor(case.x_bits, case.x_format)
+    layer = layer_for(case, "triton", TRITON_DEVICE)
+    x = bits_to_tensor(case.x_bits, case.x_format).to(TRITON_DEVICE)
     limbs, e_r, _ = triton_quantize.quantize(x, case.act_bits)
     gpu = triton_layer.gpu_weights(layer.weights(), x.device)
     args = (limbs, e_r, layer.weight_packed, *gpu, case.w_bits,
@@ -379,11 +382,11 @@ def test_the_quantize_kernel_at_any_slicing_and_tile(case, slices, tile):
     """quantize_kernel's limbs and row exponents are the contract's (reference, dataflow) at any
     slicing of K and any tile: every slice finds the row exponents itself, the first stores
     them, and the flags of non-finite rows."""
-    x = bits_to_tensor(case.x_bits, case.x_format)
+    x = bits_to_tensor(case.x_bits, case.x_format).to(TRITON_DEVICE)
     qa, e_r = quantize_activations(case.x_bits, case.x_format, case.act_bits)
     limbs, got_e_r, nonfinite = triton_quantize.quantize(x, case.act_bits, slices, tile)
-    exact = bool((limbs == activation_limbs(torch.from_numpy(qa), case.act_bits)).all()
-                 and (got_e_r.numpy() == e_r).all())
+    exact = bool((limbs.cpu() == activation_limbs(torch.from_numpy(qa), case.act_bits)).all()
+                 and (got_e_r.cpu().numpy() == e_r).all())
     x[-1, -1] = float("inf")
     again = triton_quantize.quantize(x, case.act_bits, slices, tile)
     flags = nonfinite.tolist() + again[2].tolist()
@@ -421,8 +424,8 @@ def test_the_triton_kernels_at_8_bit_weights(path):
 
 @needs_triton
 def test_a_non_finite_x_in_a_later_block_of_rows_is_nan_or_counted_in_x():
-    layer = ExactLinear.from_weight(torch.randn(24, 64), backend="triton")
-    x = torch.randn(13, 64)
+    layer = ExactLinear.from_weight(torch.randn(24, 64), backend="triton").to(TRITON_DEVICE)
+    x = torch.randn(13, 64, device=TRITON_DEVICE)
     want = tensor_to_bits(layer(x[:11]))
     x[11, 3] = x[12, 0] = float("nan")
     with mock.patch.object(triton_layer, "INT32_OFFSETS", 5 * 2 * 64):  # 5 rows a launch
@@ -441,7 +444,8 @@ def test_the_gpu_checks_tile_table_runs(capsys):
     both ways, gives the default launch's bits."""
     from bench.gpu_check import tiles
 
-    assert tiles(shapes=((64, 20),), batches=(19,), device="cpu", timer=lambda fn: 0.1) == 0
+    assert tiles(shapes=((64, 20),), batches=(19,), device=TRITON_DEVICE,
+                 timer=lambda fn: 0.1) == 0
     assert "DIFFERENT" not in capsys.readouterr().out
 
 
@@ -451,7 +455,7 @@ def test_the_gpu_checks_non_finite_check_runs():
     count by a strict layer."""
     from bench.gpu_check import nonfinite_rows
 
-    assert nonfinite_rows("cpu")
+    assert nonfinite_rows(TRITON_DEVICE)
 
 
 @needs_triton
@@ -460,8 +464,8 @@ def test_the_gpu_checks_two_paths_agree():
     the interpreter: both run, with the same bits."""
     from bench.gpu_check import both_paths, kimi_on
 
-    layer, _ = kimi_on(64, 24, "cpu")
-    x = torch.randn(20, 64).bfloat16()
+    layer, _ = kimi_on(64, 24, TRITON_DEVICE)
+    x = torch.randn(20, 64, device=TRITON_DEVICE).bfloat16()
     group, folded, same = both_paths(layer, x, timer=lambda fn: (fn(), 0.1)[1])
     assert same and folded.endswith("digits)")
 
@@ -553,12 +557,6 @@ def test_batch_and_permutation_invariance(case, random):
         r = random.randrange(x.shape[0])
         assert (tensor_to_bits(layer(x[r:r + 1])) == whole[r:r + 1]).all()
         assert (tensor_to_bits(layer(x.reshape(1, *x.shape))) == whole).all()  # leading dims
-
-
-@needs_triton
-@given(linear_cases(max_k=128, max_n=24, max_rows=18, act_bits_=held_act_bits("triton-group")))
-def test_cpu_equals_interpreted_triton(case):
-    assert (run(case, "cpu") == run(case, "triton")).all()
 
 
 def test_determinism_across_runs():
@@ -714,7 +712,7 @@ def test_the_loading_hook_plans_decode_and_prefill_and_keeps_no_tensor(backend):
     """process_weights_after_loading (vLLM's hook) plans the kernels a forward of 1 and of 128
     rows takes on this backend, and the layer holds no tensor but its three buffers after it
     (the kernels read them in place)."""
-    layer = PackedInt4Linear(64, 8, backend=backend)
+    layer = PackedInt4Linear(64, 8, backend=backend, device=device_of(backend))
     ops.PLANS.clear()
     layer.process_weights_after_loading()
     assert {key[2] for key in ops.PLANS} == {1, 128}
@@ -734,13 +732,12 @@ def test_plan_refuses_the_x_a_forward_refuses_and_counts_rows_as_it_does():
 
 @needs_triton
 def test_gpu_weights_are_the_live_scales_certificate():
-    layer = PackedInt4Linear(64, 8, backend="triton")
+    layer = PackedInt4Linear(64, 8, backend="triton", device=TRITON_DEVICE)
     layer.weight_scale.data.fill_(2.0)
-    # the interpreter's device
-    factor, _, emin = triton_layer.gpu_weights(layer.weights(), torch.device("cpu"))
+    factor, _, emin = triton_layer.gpu_weights(layer.weights(), torch.device(TRITON_DEVICE))
     assert torch.equal(factor, layer.certificate.factor) and (emin == layer.certificate.emin).all()
     layer.weight_scale.data[:, 1] = 4.0  # a write: the next call's factors are the new scales'
-    again = triton_layer.gpu_weights(layer.weights(), torch.device("cpu"))
+    again = triton_layer.gpu_weights(layer.weights(), torch.device(TRITON_DEVICE))
     assert torch.equal(again[0], layer.certificate.factor)
     assert not torch.equal(layer.certificate.factor, factor)
 
@@ -769,11 +766,11 @@ def test_the_layer_holds_nothing_but_its_buffers_after_a_forward(kernel):
     """Issue 40: no copy of the buffers and no layout beside them. After a forward on any kernel
     the layer's tensors are its three buffers, and derived_nbytes is 0."""
     require(kernel)
-    layer = PackedInt4Linear(64, 16, kernel=kernel,
+    layer = PackedInt4Linear(64, 16, kernel=kernel, device=device_of(kernel),
                              backend="triton" if kernel.startswith("triton") else "auto")
     layer.weight_scale.data.fill_(1.0)
     rows = 32 if kernel == "triton-folded" else 2
-    layer(torch.randn(rows, 64))
+    layer(torch.randn(rows, 64, device=device_of(kernel)))
     held = [v for v in vars(layer).values() if isinstance(v, torch.Tensor)]
     assert not held and layer.derived_nbytes() == 0
     assert {name for name, _ in layer.named_buffers()} == {"weight_packed", "weight_scale",
@@ -900,11 +897,11 @@ def test_the_certificate_summary_counts_each_kind_of_row():
 def test_the_plan_counts_rows_over_every_leading_dimension():
     """x [1, 63, K] is 63 rows, one short of the folded GEMM's FOLDED_MIN_ROWS; [1, 64, K] is
     64 rows: the plan counts rows over all leading dimensions, not along one of them."""
-    layer = ExactLinear.from_weight(torch.randn(16, 64), backend="triton")
+    layer = ExactLinear.from_weight(torch.randn(16, 64), backend="triton").to(TRITON_DEVICE)
     assert triton_layer.FOLDED_MIN_ROWS == 64
-    assert layer.plan(torch.zeros(1, 63, 64)).kernel is triton_layer.GROUP
-    assert layer.plan(torch.zeros(1, 64, 64)).kernel is triton_layer.FOLDED
-    assert layer.plan(torch.zeros(4, 16, 64)).kernel is triton_layer.FOLDED
+    for shape, kernel in (((1, 63, 64), triton_layer.GROUP), ((1, 64, 64), triton_layer.FOLDED),
+                          ((4, 16, 64), triton_layer.FOLDED)):
+        assert layer.plan(torch.zeros(shape, device=TRITON_DEVICE)).kernel is kernel
 
 
 def test_every_kernel_has_what_the_protocol_names():

@@ -28,7 +28,7 @@ from exactness.kernels.routing import route
 from exactness.kimi import ExactExperts, KimiConfig, KimiMoE, KimiRouter
 from exactness.suite.cases import LinearCase, MoECase
 from exactness.suite.counterexamples import check_bits
-from exactness.suite.paths import available_paths, grouped_paths, held_act_bits, run
+from exactness.suite.paths import available_paths, device_of, grouped_paths, held_act_bits, run
 from exactness.suite.strategies import (
     moe_cases,
     routed_cases,
@@ -110,14 +110,25 @@ def experts_of(case, backend: str = "cpu") -> ExactExperts:
 
 
 def set_backend(module, backend: str) -> None:
+    """Every exact layer of `module` on `backend`, the module moved to where that backend runs
+    (the suite's device: exactness.suite.device)."""
     for layer in module.modules():
         if hasattr(layer, "backend"):
             layer.backend = backend
+    module.to(device_of(backend) or "cpu")
 
 
-def inputs(case):
-    return (bits_to_tensor(case.x_bits, case.x_format), torch.from_numpy(case.routing),
-            torch.from_numpy(case.top_k_weights))
+def on(module, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """`tensors` moved to `module`'s device."""
+    device = next(module.buffers()).device
+    return tuple(t.to(device) for t in tensors)
+
+
+def inputs(case, module=None):
+    """x, top_k_index and top_k_weights of `case`, on `module`'s device where given."""
+    tensors = (bits_to_tensor(case.x_bits, case.x_format), torch.from_numpy(case.routing),
+               torch.from_numpy(case.top_k_weights))
+    return tensors if module is None else on(module, *tensors)
 
 
 def outcome(call):
@@ -141,7 +152,7 @@ def test_grouped_experts_match_transformers_loop(backend):
 
 def check_experts(backend: str, case) -> None:
     experts = experts_of(case, backend)
-    grouped = outcome(lambda: experts(*inputs(case)))
+    grouped = outcome(lambda: experts(*inputs(case, experts)))
     set_backend(experts, "cpu")
     loop = outcome(lambda: experts.per_expert(*inputs(case)))
     if grouped[1] or loop[1]:
@@ -194,13 +205,14 @@ def test_a_tokens_output_does_not_depend_on_the_other_tokens(backend):
 
 def check_batch_invariance(backend: str, case, data) -> None:
     experts = experts_of(case, backend)
-    x, ids, weights = inputs(case)
+    x, ids, weights = inputs(case, experts)
     batch = outcome(lambda: experts(x, ids, weights))
     if batch[1]:
         return
     order = torch.from_numpy(np.random.default_rng(data.draw(seeds)).permutation(x.shape[0]))
+    order = order.to(x.device)
     shuffled = tensor_to_bits(experts(x[order], ids[order], weights[order]))
-    assert (shuffled == batch[0][order.numpy()]).all()
+    assert (shuffled == batch[0][order.cpu().numpy()]).all()
     t = data.draw(st.integers(0, x.shape[0] - 1))
     alone = outcome(lambda: experts(x[t:t + 1], ids[t:t + 1], weights[t:t + 1]))
     assert alone[1] is None and (alone[0][0] == batch[0][t]).all()
@@ -231,7 +243,7 @@ def test_kimi_moe_grouped_matches_its_per_expert_loop(backend):
     block = kimi_moe()
     set_backend(block, backend)
     x = torch.from_numpy(np.random.default_rng(1).standard_normal((9, 64))).bfloat16()
-    grouped = block(x)
+    grouped = block(*on(block, x))
     block.grouped = False
     set_backend(block, "cpu")
     assert (tensor_to_bits(grouped) == tensor_to_bits(block(x))).all()
@@ -371,8 +383,8 @@ def test_refused_routing_is_a_typed_error_on_both_paths(backend, ids, says):
     nothing back, gives the token's outputs the canonical NaN, and the other tokens their bits."""
     skip_unless_backend(backend)
     experts = experts_of(zero_case(4, tokens=2), backend)
-    x, weights = torch.ones(2, 64).bfloat16(), torch.ones(2, 2)
-    routing = torch.tensor([*ids, [0, 1]])
+    x, weights, routing = on(experts, torch.ones(2, 64).bfloat16(), torch.ones(2, 2),
+                             torch.tensor([*ids, [0, 1]]))
     with pytest.raises(ContractValueError, match=says):
         experts.per_expert(x, routing, weights)
     if backend == "cpu":
@@ -403,11 +415,11 @@ def test_padding_slots_and_tokens_routed_nowhere_add_nothing(backend):
     experts = experts_of(zero_case(3), backend)
     x = torch.randn(3, 64).bfloat16()
     x[2, 5] = float("nan")
-    ids = torch.tensor([[0, 3], [3, 3], [3, 3]])
-    y = experts(x, ids, torch.ones(3, 2))
-    assert torch.equal(y, experts.per_expert(x, ids, torch.ones(3, 2)))
+    x, ids, ones = on(experts, x, torch.tensor([[0, 3], [3, 3], [3, 3]]), torch.ones(3, 2))
+    y = experts(x, ids, ones)
+    assert torch.equal(y, experts.per_expert(x, ids, ones))
     assert bool((y[1:] == 0).all()) and bool((y[0] != 0).any())
-    assert torch.equal(experts(x[1:], ids[1:], torch.ones(2, 2)), torch.zeros(2, 64).bfloat16())
+    assert torch.equal(experts(x[1:], ids[1:], ones[1:]), torch.zeros_like(y[1:]))
 
 
 @given(st.integers(1, 6), st.integers(1, 5), st.data())
@@ -498,8 +510,8 @@ def test_slow_rows_and_writes_through_any_door_are_seen(backend):
 
     skip_unless_backend(backend)
     experts = experts_of(zero_case(3), backend)
-    x, ids, weights = torch.randn(4, 64).bfloat16(), torch.tensor([[0, 1], [1, 2], [2, 0],
-                                                                  [1, 0]]), torch.rand(4, 2)
+    x, ids, weights = on(experts, torch.randn(4, 64).bfloat16(),
+                         torch.tensor([[0, 1], [1, 2], [2, 0], [1, 0]]), torch.rand(4, 2))
     scale = experts[1].up_proj.weight_scale
     scale.data.copy_(bits_to_tensor(np.where(np.arange(scale.numel()).reshape(scale.shape) % 2,
                                              0x3F80, 0x1F80), "bfloat16"))  # 2**-64: spread 64
@@ -508,7 +520,7 @@ def test_slow_rows_and_writes_through_any_door_are_seen(backend):
         y = experts(x, ids, weights)
         fresh = copy.deepcopy(experts)  # (a copy holds the same buffers)
         set_backend(fresh, "cpu")
-        assert torch.equal(y, fresh.per_expert(x, ids, weights))
+        assert torch.equal(y.cpu(), fresh.per_expert(*(t.cpu() for t in (x, ids, weights))))
         experts[2].down_proj.weight_packed.data.copy_(
             torch.from_numpy(pack_weights(np.full((64, 32), -3), 4)))
 
@@ -520,9 +532,9 @@ def test_experts_of_other_widths_run_the_loop(backend):
     experts[1].down_proj.act_bits = 8
     x, ids, weights = torch.randn(2, 64).bfloat16(), torch.tensor([[0, 1], [1, 0]]), \
         torch.ones(2, 2)
-    y = experts(x, ids, weights)
+    y = experts(*on(experts, x, ids, weights))
     set_backend(experts, "cpu")
-    assert torch.equal(y, experts.per_expert(x, ids, weights))
+    assert torch.equal(y.cpu(), experts.per_expert(x, ids, weights))
 
 
 def test_no_grouped_kernel_here_warns_once_and_runs_the_loop(monkeypatch):
@@ -592,8 +604,9 @@ def test_a_forced_kernel_is_honoured_never_swapped(monkeypatch):
     if "triton-grouped" not in available_paths():
         with pytest.raises(KernelUnavailableError, match="triton-grouped"):
             experts(x, ids, weights)
-    else:  # the interpreter's: the C kernel, the default, would fail if called
-        assert torch.equal(experts(x, ids, weights), want)
+    else:  # on the suite's device: the C kernel, the default, would fail if called
+        experts.to(device_of("triton-grouped"))
+        assert torch.equal(experts(*on(experts, x, ids, weights)).cpu(), want)
 
 
 def test_no_gradient_is_cut_silently():
@@ -659,7 +672,7 @@ def test_the_gpu_path_reads_nothing_back(monkeypatch):
     skip_unless_backend("triton")
     block = kimi_moe()
     set_backend(block, "triton")
-    x = torch.randn(7, 64).bfloat16()
+    x, = on(block, torch.randn(7, 64).bfloat16())
     chosen, weights = block.gate(x)
     counter = counting_reads(monkeypatch)
     experts = block.experts
@@ -668,7 +681,7 @@ def test_the_gpu_path_reads_nothing_back(monkeypatch):
                                 torch.float32, lambda: pytest.fail("the loop ran"))
     assert counter.reads == [], counter.reads
     set_backend(block, "cpu")
-    assert torch.equal(y, block.per_expert(x, chosen, weights))
+    assert torch.equal(y.cpu(), block.per_expert(x.cpu(), chosen.cpu(), weights.cpu()))
 
 
 def test_the_plan_never_takes_a_grouped_kernel_for_a_layer_unasked():

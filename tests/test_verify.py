@@ -113,15 +113,16 @@ def test_the_suite_emulates_the_c_kernel_where_the_cpu_lacks_it(monkeypatch):
         vnni_library.mode()
 
 
-@pytest.mark.parametrize("thorough, stages, verdict, recorded", [
-    (True, None, "passed", True),
-    (False, None, "passed", False),  # the ci profile vouches for nothing thorough
-    (True, ["fake"], "passed", False),  # a subset of the stages
-    (True, None, "failed", False),
-    (True, None, "unknown", False),
+@pytest.mark.parametrize("profile, stages, verdict, recorded", [
+    ("thorough", None, "passed", True),
+    ("ci", None, "passed", False),  # the ci profile vouches for nothing thorough
+    ("smoke", None, "passed", False),
+    ("thorough", ["fake"], "passed", False),  # a subset of the stages
+    ("thorough", None, "failed", False),
+    ("thorough", None, "unknown", False),
 ])
 def test_only_an_exact_thorough_run_of_every_stage_is_recorded_for_the_gate(
-        monkeypatch, tmp_path, thorough, stages, verdict, recorded):
+        monkeypatch, tmp_path, profile, stages, verdict, recorded):
     from exactness.suite import gate
 
     monkeypatch.setattr(verify, "REPORTS", tmp_path)
@@ -129,7 +130,7 @@ def test_only_an_exact_thorough_run_of_every_stage_is_recorded_for_the_gate(
         "fake", "", lambda profile: verify.StageResult("fake", verdict, checks=1))])
     calls = []
     monkeypatch.setattr(gate, "record_thorough_verdict", lambda *args: calls.append(args))
-    assert verify.run(thorough, stages) == (0 if verdict == "passed" else 1)
+    assert verify.run(profile, stages) == {"passed": 0, "failed": 1, "unknown": 3}[verdict]
     assert len(calls) == recorded
 
 

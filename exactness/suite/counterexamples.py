@@ -3,9 +3,11 @@
 A failure found by Hypothesis, refuted by a proof, or met in a user's own input is written as the
 same JSON document (format "exactness-counterexample", version 2): the contract input as bit
 patterns (hex, like the contract vectors in exactness/suite/data), the path that failed, the
-expected and actual output bits, and the library versions. Version 2 adds a grouped projection's
-routing ("experts", "parts" and "routing", as cases.LinearCase holds them); version 1 files still
-read. Files are written atomically and replay with `python -m exactness repro`; `read` refuses
+expected and actual output bits, the library versions, and the device it was found on
+(device.describe: the device, the GPU's name, Triton's version). Version 2 adds a grouped
+projection's routing ("experts", "parts" and "routing", as cases.LinearCase holds them); version
+1 files still read. Files are written atomically and replay with `python -m exactness repro`,
+on whichever device is asked for (--device); `read` refuses
 (CounterexampleFileError) any file it cannot take exactly as written.
 """
 
@@ -33,6 +35,7 @@ from ..contract import (
 )
 from ..formats import finite_mask, unpack_weights
 from .cases import LinearCase
+from .device import describe
 from .paths import PATHS
 
 FORMAT = "exactness-counterexample"
@@ -69,6 +72,7 @@ def to_document(case: LinearCase, *, path: str, expected=None, actual=None, sour
         "expected_bits": None if expected is None else _rows(expected, case.out_format.width),
         "actual_bits": None if actual is None else _rows(actual, case.out_format.width),
         "versions": _versions(),
+        "device": describe(),  # where it was found: the device, the GPU's name, Triton's version
     }
     if case.routing is not None:
         doc["experts"], doc["parts"] = case.experts, case.parts

@@ -385,6 +385,10 @@ def vectors(path: str) -> str:
 CPU, CPU_VECTORS = equivalence("vnni-limbs"), vectors("vnni-limbs")  # the C kernel
 GEMM, GEMM_VECTORS = equivalence("int8-gemm"), vectors("int8-gemm")
 TRITON, TRITON_VECTORS = equivalence("triton-group"), vectors("triton-group")
+# the CPU and the Triton device compared (make verify's devices stage)
+DEVICES_LAYER = ("tests/test_devices.py::"
+                 "test_a_layer_gives_the_same_bits_on_the_cpu_and_the_triton_device")
+DEVICES_MOE = "tests/test_devices.py::test_the_moe_experts_give_the_same_bits_on_both"
 FOLDED = "tests/test_modules.py::test_triton_folded_path_matches_reference"
 FOLDED_VECTORS = vectors("triton-folded")
 SPANS, SPANS_VECTORS = equivalence("vnni-spans"), vectors("vnni-spans")
@@ -452,7 +456,7 @@ CATALOGUE = (
     Mutant("kernel-scale-of-the-previous-group", KERNEL,
            "f = tl.load(f_ptr + offs_n * stride_fn + g, mask=mask_n, other=0)",
            "f = tl.load(f_ptr + offs_n * stride_fn + tl.maximum(g - 1, 0), mask=mask_n, other=0)",
-           "group g's scale applied to group g + 1", (TRITON, TRITON_VECTORS)),
+           "group g's scale applied to group g + 1", (TRITON, TRITON_VECTORS, DEVICES_LAYER)),
     Mutant("tile-of-64-with-one-scale", at(gemm.fold),
            "scale[:, :, None]", "scale[:, (torch.arange(k // GROUP_SIZE) // 2) * 2, None]",
            "one group's scale applied to a whole tile wider than the group (vLLM triton w4a16)",
@@ -780,7 +784,8 @@ CATALOGUE = (
     Mutant("vnni-rounding-ties-up", C_KERNEL, "_mm512_cmpeq_epi64_mask(rem, half) & odd;",
            "_mm512_cmpeq_epi64_mask(rem, half);",
            "the final rounding's ties away from zero instead of to even",
-           ("tests/test_modules.py::test_final_rounding_near_ties[vnni-limbs]", CPU)),
+           ("tests/test_modules.py::test_final_rounding_near_ties[vnni-limbs]", CPU,
+            DEVICES_MOE)),
     Mutant("vnni-normal-rounding-ties-down", C_KERNEL,
            "_mm512_add_epi64(_mm512_add_epi64(a, below_half), last_kept)",
            "_mm512_add_epi64(a, below_half)",

@@ -24,9 +24,9 @@ from ..contract import BFLOAT16, GROUP_SIZE
 from ..formats import bits_to_tensor, tensor_to_bits, torch_dtype
 from ..kernels import REGISTRY
 from ..kernels.registry import by_name
-from ..kernels.triton import launch as triton_launch
 from ..kernels.triton import layer as triton_layer
 from .cases import LinearCase
+from .device import triton_torch_device
 from .reference import oracle_linear, reference_linear
 
 BACKENDS = ("cpu", "triton")
@@ -34,12 +34,9 @@ PATHS = ("oracle", "reference", *BACKENDS, *(kernel.name for kernel in REGISTRY)
 
 
 def triton_device() -> str | None:
-    """Where the Triton kernels can run here: 'cuda', 'cpu' (interpreter), or None."""
-    if not triton_launch.available():
-        return None
-    if torch.cuda.is_available():
-        return "cuda"
-    return "cpu" if os.environ.get("TRITON_INTERPRET") == "1" else None
+    """Where the Triton kernels can run here: 'cuda', 'cpu' (interpreter), or None (the one
+    device of the suite: exactness.suite.device)."""
+    return triton_torch_device()
 
 
 def device_of(path: str) -> str | None:
@@ -58,7 +55,7 @@ def unavailable(path: str) -> tuple[str, bool] | None:
     kernel = next((k for k in REGISTRY if k.name == path), None)
     device = device_of(path)
     if kernel is None or device is None:
-        return f"{path} does not run here: Triton needs a GPU or TRITON_INTERPRET=1", False
+        return f"{path} does not run here: Triton needs a GPU or EXACTNESS_DEVICE=interpret", False
     why = kernel.available(torch.device(device)).why
     return f"{path} does not run here: {why}", expected_here(kernel.name)
 
@@ -231,7 +228,7 @@ def run(case: LinearCase, path: str) -> np.ndarray:
         raise ValueError(f"path must be one of {PATHS}, got {path!r}")
     device = device_of(path)
     if device is None:
-        raise RuntimeError(f"the {path} path needs a GPU or TRITON_INTERPRET=1")
+        raise RuntimeError(f"the {path} path needs a GPU or EXACTNESS_DEVICE=interpret")
     layer = layer_for(case, path, device)
     x = bits_to_tensor(case.x_bits, case.x_format).to(device)
     return tensor_to_bits(layer(x))

@@ -6,7 +6,8 @@
 - dev: random, with the example database, so a failure found once is replayed first next time;
 - thorough: nightly scale (THOROUGH_EXAMPLES per property, or EXACTNESS_THOROUGH_EXAMPLES where
   CI's time holds fewer: gate.thorough_examples), with the example database;
-- ci-kill: ci without shrinking (make verify's mutation stage).
+- ci-kill: ci without shrinking (make verify's mutation stage);
+- smoke: ci at SMOKE_EXAMPLES a property (bench/gpu_check.sh's own test in make test).
 
 The example database (`example_database`) is a directory, EXACTNESS_HYPOTHESIS_DB (default
 .hypothesis/examples), which CI keeps between runs and uploads as an artifact. With
@@ -29,7 +30,7 @@ from hypothesis.database import (
 )
 
 _SLOW_DATA = [HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example]
-CI_EXAMPLES, THOROUGH_EXAMPLES = 60, 2000
+CI_EXAMPLES, THOROUGH_EXAMPLES, SMOKE_EXAMPLES = 60, 2000, 3
 
 
 def thorough_examples() -> int:
@@ -65,6 +66,8 @@ settings.register_profile("ci", derandomize=True, deadline=None, database=None, 
 # make verify's mutation stage only needs to see each mutant die: no shrinking
 settings.register_profile("ci-kill", parent=settings.get_profile("ci"),
                           phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.target])
+# bench/gpu_check.sh's own test: a few examples a property, to run the script end to end quickly
+settings.register_profile("smoke", parent=settings.get_profile("ci"), max_examples=SMOKE_EXAMPLES)
 settings.register_profile("dev", deadline=None, max_examples=100, suppress_health_check=_SLOW_DATA,
                           database=example_database())
 settings.register_profile("thorough", deadline=None, max_examples=thorough_examples(),

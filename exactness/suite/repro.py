@@ -19,6 +19,7 @@ from ..contract import BFLOAT16, GROUP_SIZE, FloatFormat
 from ..formats import decode, is_finite
 from .cases import LinearCase
 from .counterexamples import CounterexampleFileError, _count, read
+from .device import DEVICES, describe, require, restart_on
 from .paths import available_paths, grouped_paths, run
 from .reference import quantize_activations
 
@@ -90,6 +91,7 @@ def replay(file: str, paths: list[str] | None = None, out=None, kernel: str | No
           f"{case.out_format.name}", file=out)
     if doc.get("note"):
         print(f"  note: {doc['note']}", file=out)
+    print(f"  found on {where(doc.get('device'))}; replayed on {where(describe())}", file=out)
     want = run(case, "reference")
     if case.expected is not None and (case.expected != want).any():
         print("  the file's expected bits differ from today's reference:", file=out)
@@ -111,6 +113,17 @@ def replay(file: str, paths: list[str] | None = None, out=None, kernel: str | No
             print(f"  {path:<24} DIFFERS: " + "\n".join(diff(case, got, want)), file=out)
     print("still fails" if failing else "fixed: every path agrees with the reference", file=out)
     return 1 if failing else 0
+
+
+def where(device: dict | None) -> str:
+    """A counterexample's device in words (a file older than the record: "a device not
+    recorded")."""
+    if not device:
+        return "a device not recorded"
+    name = {"interpret": "the Triton interpreter", "cuda": "cuda", None: "no Triton"}.get(
+        device.get("device"), str(device.get("device")))
+    gpu = f" ({device['gpu']})" if device.get("gpu") else ""
+    return f"{name}{gpu}, Triton {device.get('triton')}"
 
 
 def replay_kernel(file: str, case: LinearCase, doc: dict, kernel: str | None, out) -> int:
@@ -135,7 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--path", action="append", help="replay only these paths")
     parser.add_argument("--kernel", metavar="KERNEL", help="replay a `check` counterexample's "
                         "property on this kernel (MODULE:FACTORY or a registered name)")
+    parser.add_argument("--device", choices=DEVICES,
+                        help="where the Triton paths replay (EXACTNESS_DEVICE; default: cuda "
+                             "where there is a GPU, else interpret), whatever the file's device")
     args = parser.parse_args(argv)
+    restart_on(args.device, ["repro", *(sys.argv[1:] if argv is None else argv)])
+    require()
     codes = []
     for file in args.files:
         try:

@@ -20,10 +20,12 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import gate
+from . import device, gate
+from .profiles import SMOKE_EXAMPLES
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository
-REPORTS = ROOT / "reports"
+UNKNOWN_EXIT = 3  # nothing failed, but some stage is unknown: not exact, and not refuted
+REPORTS = Path(os.environ.get("EXACTNESS_REPORTS") or ROOT / "reports")  # the script's: its logs
 
 
 @dataclass
@@ -71,8 +73,8 @@ class PytestSession:
             profile = "ci-kill"
         junit = REPORTS / f"junit-{self.name}.xml"
         junit.unlink(missing_ok=True)
-        env = dict(os.environ, HYPOTHESIS_PROFILE=profile, TRITON_INTERPRET="1",
-                   EXACTNESS_FIRST_KILLER="1")
+        env = dict(os.environ, HYPOTHESIS_PROFILE=profile, EXACTNESS_FIRST_KILLER="1",
+                   EXACTNESS_DEVICE=device.chosen())  # this process's device (run)
         workers = os.environ.get("EXACTNESS_WORKERS", "2")  # the CI machine's 2 cores
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", workers,
                f"--junitxml={junit}", *(f"--stage={stage}" for stage in stages),
@@ -175,6 +177,8 @@ STAGES = [
     Stage("vectors", "the contract's independent test vectors, every path", vectors_stage),
     _TESTS.stage("reference", "oracle == numpy reference == peers; proofs cross-checked"),
     _TESTS.stage("equivalence", "every layer path == reference, bit for bit, full Kimi sizes too"),
+    _TESTS.stage("devices", "the same cases on the C kernels (CPU) and the Triton kernels (the "
+                            "chosen device): equal to each other and to the reference"),
     _TESTS.stage("compiled", "the Triton kernels compile for sm_90 (thorough: sm_80 too), int MMA"),
     _TESTS.stage("reliability", "bad input refused, writes seen, the Kimi loader, the kernel "
                                 "cache, repro's refusals"),
@@ -209,12 +213,25 @@ def _junit(results: list[StageResult]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m exactness verify")
     parser.add_argument("--thorough", action="store_true", help="nightly-scale Hypothesis profile")
+    parser.add_argument("--smoke", action="store_true",
+                        help=f"{SMOKE_EXAMPLES} examples a property: a quick run of the stages, "
+                             f"which vouches for little (bench/gpu_check.sh's own test)")
+    parser.add_argument("--device", choices=device.DEVICES,
+                        help="where the Triton kernels run, for every stage (EXACTNESS_DEVICE; "
+                             "default: cuda where there is a GPU, else interpret)")
     parser.add_argument("--stage", action="append", help="run only this stage (repeatable)")
     parser.add_argument("--shard", type=parse_shard, metavar="I/N",
                         help="run shard I of N (a CI matrix): every N-th test of the pytest "
                              "stages, and the other stages shared out (stage_shard)")
     args = parser.parse_args(argv)
-    return run(args.thorough, args.stage, args.shard)
+    if args.thorough and args.smoke:
+        parser.error("--thorough and --smoke are two profiles: name one")
+    # one device for every stage: this process's, which the interpreter fixed at import
+    device.restart_on(args.device or (None if device.chosen() else "interpret"),
+                      ["verify", *(sys.argv[1:] if argv is None else argv)])
+    device.require()
+    return run("thorough" if args.thorough else "smoke" if args.smoke else "ci", args.stage,
+               args.shard)
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -236,14 +253,15 @@ def stage_shard(stage: Stage, n: int) -> int | None:
     return alone.index(stage) % n + 1
 
 
-def run(thorough: bool = False, stages: list[str] | None = None,
+def run(profile: str = "ci", stages: list[str] | None = None,
         shard: tuple[int, int] | None = None) -> int:
-    """Every stage (or the chosen `stages`; with `shard` (i, n) its share of them), the table,
-    the reports: 0 iff exact."""
+    """Every stage (or the chosen `stages`; with `shard` (i, n) its share of them) in the
+    Hypothesis `profile` (ci, thorough or smoke), the table, the reports: 0 iff exact, 1 where
+    a stage failed, UNKNOWN_EXIT where none failed but one is unknown."""
     from .mutants import from_env
     from .profiles import THOROUGH_EXAMPLES, thorough_examples
 
-    profile = "thorough" if thorough else "ci"
+    thorough = profile == "thorough"
     examples = thorough_examples()
     shown = profile  # a thorough run at what CI's time held (.ci/run, gate.py) says so
     if thorough and examples < THOROUGH_EXAMPLES:
@@ -258,7 +276,11 @@ def run(thorough: bool = False, stages: list[str] | None = None,
 
     c_kernel = emulate_the_c_kernel_where_missing()
     print(f"  checking {c_kernel}", flush=True)
-    REPORTS.mkdir(exist_ok=True)
+    where = device.describe()
+    gpu = f" on {where['gpu']}" if where["gpu"] else ""
+    print(f"  Triton kernels: {where['device'] or 'nowhere'}{gpu}, Triton {where['triton']}",
+          flush=True)
+    REPORTS.mkdir(parents=True, exist_ok=True)
     verifying = gate.watched_digest() if thorough else None  # the files this run vouches for
     results = []
     done: dict[str, StageResult] = {}  # stages a pytest session ran with an earlier one
@@ -299,7 +321,7 @@ def run(thorough: bool = False, stages: list[str] | None = None,
         for s in r.skipped[:10]:
             print(f"  {'':<{width}}    ? {s[:400]}")
     ok = all(r.verdict == "passed" for r in results)
-    report = {"verdict": "exact" if ok else "NOT exact", "profile": shown,
+    report = {"verdict": "exact" if ok else "NOT exact", "profile": shown, "device": where,
               "mutant": mutant.name if mutant else None, "c_kernel": c_kernel,
               "shard": f"{shard[0]}/{shard[1]}" if shard else None,
               "seconds": round(time.perf_counter() - begin, 1),
@@ -312,6 +334,8 @@ def run(thorough: bool = False, stages: list[str] | None = None,
     name = f"verify-shard-{shard[0]}-of-{shard[1]}" if shard else "verify"
     (REPORTS / f"{name}.json").write_text(json.dumps(report, indent=2))
     (REPORTS / f"{name}-junit.xml").write_text(_junit(results))
+    where = (REPORTS / name).relative_to(ROOT) if REPORTS.is_relative_to(ROOT) else REPORTS / name
     print(f"\n  verdict: {report['verdict']}  ({report['outputs_compared']} outputs compared bit "
-          f"for bit, {report['seconds']} s; reports/{name}.json, reports/{name}-junit.xml)")
-    return 0 if ok else 1
+          f"for bit, {report['seconds']} s; {where}.json, {where}-junit.xml)")
+    failed = any(r.verdict == "failed" for r in results)
+    return 0 if ok else 1 if failed else UNKNOWN_EXIT

@@ -9,6 +9,23 @@ import os
 
 import torch
 
+from ...contract import ExactnessError
+
+
+class DeviceError(ExactnessError, ValueError):
+    """EXACTNESS_DEVICE names no device, or one this machine does not have."""
+
+
+# EXACTNESS_DEVICE (interpret | cuda), where set, decides for the whole process whether the
+# kernels are interpreted: applied here, before triton is imported (triton reads
+# TRITON_INTERPRET when a kernel is defined). exactness.suite.device is the suite's side.
+DEVICES = ("interpret", "cuda")
+ASKED = os.environ.get("EXACTNESS_DEVICE", "").strip() or None
+if ASKED is not None and ASKED not in DEVICES:
+    raise DeviceError(f"EXACTNESS_DEVICE must be one of {', '.join(DEVICES)}, got {ASKED!r}")
+if ASKED is not None:
+    os.environ["TRITON_INTERPRET"] = "1" if ASKED == "interpret" else "0"
+
 try:
     import triton
     import triton.language as tl
