@@ -19,7 +19,7 @@ COMMANDS = {
     "gate": ("exactness.suite.gate", "the CI gate: which profile .ci/run verifies in, and why"),
     "precision": ("exactness.suite.precision", "the precision report (reports/precision.md)"),
     "kimi": ("exactness.suite.kimi_check", "check a Kimi checkpoint directory on disk"),
-    "check": ("exactness.suite.check", "the suite run on a kernel this project did not write"),
+    "check": ("exactness.suite.check_command", "the suite on a kernel this project did not write"),
 }
 # the commands that check the project's kernels: on a CPU without AVX-512 VNNI they check the C
 # kernel emulated, as the tests do (conftest.py)

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from exactness.contract import BFLOAT16, FLOAT32
 from exactness.formats import decode, round_scaled
 from exactness.suite import check as checker
+from exactness.suite import check_command
 from exactness.suite.check import CheckError, Claim, check
 from exactness.suite.repro import main as repro
 from exactness.suite.strategies import linear_cases
@@ -66,7 +67,8 @@ def test_ulp_errors_measure_from_the_true_value():
 
 def test_an_exact_outside_kernel_passes_every_property(tmp_path):
     report = check("exactness.suite.peers:exact16", examples=4, directory=tmp_path)
-    assert verdicts(report) == dict.fromkeys(checker.PROPERTIES, "passed"), checker.render(report)
+    assert verdicts(report) == dict.fromkeys(checker.PROPERTIES, "passed"), \
+        check_command.render(report)
     assert all(v.inputs > 0 for v in report.verdicts)
     assert not list(tmp_path.iterdir())
 
@@ -74,7 +76,7 @@ def test_an_exact_outside_kernel_passes_every_property(tmp_path):
 def test_a_registered_kernel_is_checked_as_an_outside_one(tmp_path):
     report = check("int8-gemm", Claim("exact", 8), examples=3, directory=tmp_path,
                    properties=("claim", "tails"))
-    assert report.ok, checker.render(report)
+    assert report.ok, check_command.render(report)
 
 
 @pytest.mark.parametrize("factory, claim, refuted", [
@@ -91,7 +93,7 @@ def test_each_property_refutes_its_planted_bug_and_the_file_replays(
     kernel = f"{PLANTED}:{factory}"
     report = check(kernel, claim, examples=12, directory=tmp_path, properties=(refuted,))
     (verdict,) = report.verdicts
-    assert verdict.verdict == "refuted", checker.render(report)
+    assert verdict.verdict == "refuted", check_command.render(report)
     doc = json.loads(verdict.file.read_text())
     assert (doc["kernel"], doc["property"], doc["claim"]) == (kernel, refuted, claim.name)
     assert verdict.file.name.startswith("tests.planted_kernels-" + factory)
@@ -135,11 +137,11 @@ def test_bad_options_are_typed_errors(claim, message):
 
 def test_the_command_line_exits_by_the_verdict(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("EXACTNESS_COUNTEREXAMPLES", str(tmp_path))
-    assert checker.main([f"{PLANTED}:one_ulp_off", "--examples", "3", "--property",
+    assert check_command.main([f"{PLANTED}:one_ulp_off", "--examples", "3", "--property",
                          "claim"]) == 1
     out = capsys.readouterr().out
     assert "claim            refuted" in out and "--kernel tests.planted_kernels:one_ulp_off" in out
-    assert checker.main(["nowhere:f"]) == 2
+    assert check_command.main(["nowhere:f"]) == 2
     assert "cannot import" in capsys.readouterr().err
 
 

@@ -157,6 +157,29 @@ def test_every_kernel_file_is_a_short_read():
     assert len(files) > 20 and not too_long(files)
 
 
+# and no file of the package over 400 lines (issue 53: kimi.py had grown to 933 lines and five
+# jobs, mutants.py to 950, the catalogue's data and its runner in one file)
+PACKAGE_FILE_LINES = 400
+
+
+def test_every_file_of_the_package_is_a_short_read():
+    files = list(ROOT.glob("exactness/**/*.py"))
+    assert len(files) > 60 and not too_long(files, PACKAGE_FILE_LINES)
+
+
+def test_the_kimi_package_keeps_every_old_name():
+    """exactness.kimi was one module; every name it bound is still importable from it (the
+    package's __init__), the private ones tests and mutants name included."""
+    from exactness import kimi
+
+    for name in ("KimiConfig", "KimiModel", "KimiMoE", "KimiCheckpoint", "KimiCheckpointError",
+                 "KimiConversionError", "ExactExperts", "convert_kimi_to_exact",
+                 "expert_parallel", "parse_safetensors_header", "EXPECTED_WEIGHTS", "ROUTED",
+                 "brief", "shown_key", "json_kind", "routed_reads", "is_fused_experts"):
+        assert hasattr(kimi, name), name
+    assert set(kimi.__all__) <= set(vars(kimi))
+
+
 def test_a_long_kernel_file_is_seen():
     modules = ROOT / "exactness" / "modules.py"  # the layers: longer than a kernel file may be
     assert too_long([modules]) and not too_long([modules], limit=10_000)

@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from exactness import PackedInt4Linear, kimi
+from exactness import PackedInt4Linear
 from exactness.contract import ExactnessError
 from exactness.formats import bits_to_tensor, float_bits, tensor_to_bits
 from exactness.kimi import (
@@ -23,6 +23,7 @@ from exactness.kimi import (
     KimiModel,
     convert_kimi_to_exact,
 )
+from exactness.kimi import checkpoint as kimi_checkpoint
 from exactness.suite.reference import reference_linear
 from tests.kimi_checkpoints import join_safetensors, split_safetensors, write_checkpoint
 
@@ -303,7 +304,7 @@ def test_a_read_failing_after_the_checks_leaves_the_model_untouched(tmp_path, mo
         fail_after_the_checks(monkeypatch, truncate_the_second_shard)
         match = r"model-00002-of-00002.safetensors: .*truncated"
     else:
-        reads, real_open = [], kimi.safe_open
+        reads, real_open = [], kimi_checkpoint.safe_open
 
         class FailingDisk:  # safetensors' handle, on a disk that fails at the third read
             def __init__(self, path, framework):
@@ -316,7 +317,7 @@ def test_a_read_failing_after_the_checks_leaves_the_model_untouched(tmp_path, mo
                 return self.handle.get_tensor(name)
 
         fail_after_the_checks(monkeypatch, lambda c: monkeypatch.setattr(
-            kimi, "safe_open", FailingDisk))
+            kimi_checkpoint, "safe_open", FailingDisk))
         match = r"model-0000\d-of-00002.safetensors: .*Input/output error"
     with pytest.raises(KimiCheckpointError, match=match):
         convert_kimi_to_exact(model, ckpt)
@@ -604,17 +605,17 @@ def test_the_model_keeps_its_config_and_the_routers_dtype():
                                          ([1], "a list"), ({}, "an object"),
                                          (b"x", "bytes")])
 def test_a_json_value_is_named_by_its_kind(value, kind):
-    from exactness.kimi import _json_kind
+    from exactness.kimi import json_kind
 
-    assert _json_kind(value) == kind
+    assert json_kind(value) == kind
 
 
 def test_a_long_value_is_cut_to_sixty_characters():
-    from exactness.kimi import _short
+    from exactness.kimi import brief
 
-    assert _short("a" * 58) == repr("a" * 58)  # 60 characters with its quotes
-    assert _short("a" * 59) == repr("a" * 59)[:57] + "..."
-    assert len(_short("a" * 59)) == 60
+    assert brief("a" * 58) == repr("a" * 58)  # 60 characters with its quotes
+    assert brief("a" * 59) == repr("a" * 59)[:57] + "..."
+    assert len(brief("a" * 59)) == 60
 
 
 def single_file(tmp_path, change=None) -> Path:
@@ -862,10 +863,10 @@ def test_config_fields_just_inside_their_limits_are_taken(tmp_path):
 
 
 def test_a_json_key_that_would_break_the_line_is_quoted():
-    from exactness.kimi import _key
+    from exactness.kimi import shown_key
 
-    assert _key("group_0") == "group_0"
-    assert _key("a\nb") == repr("a\nb")
+    assert shown_key("group_0") == "group_0"
+    assert shown_key("a\nb") == repr("a\nb")
 
 
 def test_an_unreadable_json_file_is_named(tmp_path, monkeypatch):

@@ -21,6 +21,7 @@ from exactness.kimi import (
     convert_kimi_to_exact,
     expert_parallel,
 )
+from exactness.kimi import checkpoint as kimi_checkpoint
 from exactness.moe import MissingExpertError, RemoteLinear
 from tests.hf_checkpoints import tiny_model, write
 from tests.kimi_checkpoints import join_safetensors, split_safetensors, write_checkpoint
@@ -74,10 +75,10 @@ def test_each_scale_is_checked_once_and_each_shard_released_after_its_last_tenso
     checked), the tensors read in file order, shard by shard, each shard's mapping dropped
     after its last tensor, so the process never holds two shards' pages."""
     checks, events = [], []
-    real_check, real_release = kimi.check_finite_tensor, KimiCheckpoint.release
+    real_check, real_release = kimi_checkpoint.check_finite_tensor, KimiCheckpoint.release
     real_map = KimiCheckpoint.map_tensor
-    monkeypatch.setattr(kimi, "check_finite_tensor", lambda t, name: (checks.append(name),
-                                                                      real_check(t, name))[1])
+    monkeypatch.setattr(kimi_checkpoint, "check_finite_tensor", lambda t, name: (
+        checks.append(name), real_check(t, name))[1])
     monkeypatch.setattr(modules, "check_finite_tensor", lambda t, name: checks.append("layer"))
     monkeypatch.setattr(KimiCheckpoint, "release", lambda self, file: (
         events.append(("release", file)), real_release(self, file))[1])

@@ -41,6 +41,9 @@ def test_each_stage_reads_its_own_tests(monkeypatch, tmp_path):
     assert got["first"].verdict == "failed" and got["first"].failures == ["tests.test_a::t0"]
     assert got["second"].verdict == "passed" and got["second"].checks == 2
     assert got["second"].seconds == 3.0
+    # each check's seconds, for verify.json: where a slow stage's time goes (issue 53)
+    assert got["second"].check_seconds == {"tests.test_b::t1": 1.5,
+                                           "tests.test_c.TestClass::t2": 1.5}
 
 
 @pytest.mark.parametrize("returncode, cases", [

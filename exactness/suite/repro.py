@@ -129,7 +129,7 @@ def where(device: dict | None) -> str:
 def replay_kernel(file: str, case: LinearCase, doc: dict, kernel: str | None, out) -> int:
     """A `python -m exactness check` counterexample against `kernel` (default: the file's): 1
     while its property still fails, 0 once it holds."""
-    from .check import replay as replay_property
+    from .check_command import replay as replay_property
 
     kernel = kernel or doc.get("kernel")
     m, k, n = case.shape

@@ -38,6 +38,7 @@ class StageResult:
     failures: list[str] = field(default_factory=list)
     compared: int = 0  # contract outputs compared bit for bit
     skipped: list[str] = field(default_factory=list)  # checks that did not run here, and why
+    check_seconds: dict[str, float] = field(default_factory=dict)  # each check's, slowest first
 
 
 @dataclass
@@ -91,6 +92,7 @@ class PytestSession:
                 result.checks += 1
                 result.seconds += float(case.get("time") or 0)
                 name = f"{case.get('classname')}::{case.get('name')}"
+                result.check_seconds[name] = round(float(case.get("time") or 0), 2)
                 if case.find("failure") is not None or case.find("error") is not None:
                     result.failures.append(name)
                 elif case.find("skipped") is not None:
@@ -101,6 +103,8 @@ class PytestSession:
         explained = proc.returncode == 0 or (proc.returncode == 1 and failed)
         for result in results.values():
             result.seconds = round(result.seconds, 2)
+            result.check_seconds = dict(sorted(result.check_seconds.items(),
+                                               key=lambda item: -item[1]))
             if result.failures:
                 result.verdict, result.detail = "failed", proc.stdout[-2000:]
             elif not explained or not result.checks:
@@ -316,6 +320,9 @@ def run(profile: str = "ci", stages: list[str] | None = None,
     for r in results:
         print(f"  {r.name:<{width}}  {r.verdict:<7}  {r.checks:>6}  {r.compared:>16}  "
               f"{r.seconds:>7.1f}")
+        if r.check_seconds:  # where the time goes: the stage's slowest check
+            slowest, seconds = next(iter(r.check_seconds.items()))
+            print(f"  {'':<{width}}    slowest: {slowest} ({seconds:.1f} s)")
         for f in r.failures[:10]:
             print(f"  {'':<{width}}    x {f[:400]}")
         for s in r.skipped[:10]:
