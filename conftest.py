@@ -1,11 +1,8 @@
 """The suite's pytest set-up: the Hypothesis profile (exactness.suite.profiles), the device the
-Triton kernels run on (EXACTNESS_DEVICE; the `device` fixture), the C kernel emulated where the
-CPU lacks AVX-512 VNNI, and a
-planted mutant where EXACTNESS_MUTANT names one."""
+Triton kernels run on (EXACTNESS_DEVICE: exactness.suite.device), the C kernel emulated where the
+CPU lacks AVX-512 VNNI, and a planted mutant where EXACTNESS_MUTANT names one."""
 
 import os
-
-import pytest
 
 # One device for the whole suite: EXACTNESS_DEVICE (exactness.suite.device); where it is unset
 # and there is no GPU, the interpreter (set before triton is first imported: it is read then).
@@ -23,12 +20,6 @@ from exactness.suite import paths, profiles  # noqa: E402
 profiles.load()
 # where the CPU lacks AVX-512 VNNI, the C kernel's checks run on its emulated build, never skip
 paths.emulate_the_c_kernel_where_missing()
-
-
-@pytest.fixture
-def device() -> str:
-    """The torch device of the Triton kernels' tensors: "cuda", or "cpu" when interpreted."""
-    return _device.triton_torch_device() or "cpu"
 
 
 def pytest_configure(config):

@@ -160,7 +160,8 @@ def main(argv: list[str] | None = None) -> int:
 def memcheck_shapes() -> int:
     """A few shapes once each, small enough for compute-sanitizer's memcheck (every access
     checked, ~100x slower): the layer's paths (group, folded, 32-bit activations, a slow row, a
-    NaN row, a tail of K and N) and one grouped MoE call; each against the reference."""
+    NaN row, a tail of K and N), each against the reference, and one grouped MoE call, run for
+    memcheck's sake only."""
     rng = np.random.default_rng(1)
     bad = 0
     for (k, n), m, act_bits in [((256, 40), 3, 16), ((512, 72), 70, 8), ((96, 24), 5, 32),

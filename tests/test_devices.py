@@ -20,7 +20,7 @@ from exactness.kernels import REGISTRY
 from exactness.suite.cases import load_vectors
 from exactness.suite.counterexamples import check_bits, write
 from exactness.suite.device import chosen, describe
-from exactness.suite.paths import device_of, held_act_bits, require, run
+from exactness.suite.paths import held_act_bits, require, run
 from exactness.suite.repro import replay, where
 from exactness.suite.strategies import linear_cases, moe_cases, routed_cases
 from tests.test_moe import experts_of, inputs
@@ -71,12 +71,9 @@ def test_the_moe_experts_give_the_same_bits_on_both(case):
     """transformers' experts module, exact: its whole forward (gate, up, SiLU, down, the
     weighted sum) on the CPU, and moved to the Triton device; the same bits, NaN rows too."""
     require(GROUPED["triton"])
-    device = device_of(GROUPED["triton"])
-    on_cpu = experts_of(case, "cpu")
-    on_gpu = experts_of(case, "triton").to(device)
-    x, ids, weights = inputs(case)
-    want = tensor_to_bits(on_cpu(x, ids, weights))
-    got = tensor_to_bits(on_gpu(x.to(device), ids.to(device), weights.to(device)).cpu())
+    on_cpu, on_gpu = experts_of(case, "cpu"), experts_of(case, "triton")  # each on its device
+    want = tensor_to_bits(on_cpu(*inputs(case)))
+    got = tensor_to_bits(on_gpu(*inputs(case, on_gpu)))
     assert np.array_equal(want, got)
 
 

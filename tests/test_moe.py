@@ -483,16 +483,15 @@ def test_a_non_finite_input_gives_the_loops_nan_rows_or_its_error(backend):
     x = torch.randn(2, 64).bfloat16()
     x[1, 7] = float("inf")
     huge = torch.full((2, 64), 3e38).bfloat16()
-    device = next(experts.buffers()).device
     for inputs_ in ((x, ids, weights), (huge, ids, weights)):
-        inputs_ = [t.to(device) for t in inputs_]
+        inputs_ = on(experts, *inputs_)
         got, want = (tensor_to_bits(call(*inputs_)) for call in (experts, experts.per_expert))
         assert (got == want).all() and not finite_mask(got[1], BFLOAT16).any()
     for layer in experts.modules():
         if isinstance(layer, PackedInt4Linear):
             layer.strict = True
     for inputs_ in ((x, ids, weights), (huge, ids, weights)):
-        inputs_ = [t.to(device) for t in inputs_]
+        inputs_ = on(experts, *inputs_)
         errors = []
         for call in (experts, experts.per_expert):
             with pytest.raises(NonFiniteError) as raised:

@@ -6,8 +6,8 @@
 
 The choice is fixed when triton is first imported (exactness.kernels.triton.launch applies
 EXACTNESS_DEVICE then), so a command asked for another device than its process has starts
-itself again (`restart_on`). Tests take the Triton kernels' torch device from the `device`
-fixture (conftest.py) or from paths.device_of; the C kernels always run on the CPU. A
+itself again (`restart_on`). Tests take the Triton kernels' torch device from
+paths.device_of (triton_torch_device behind it); the C kernels always run on the CPU. A
 counterexample file records `describe()`, and replays on the device asked for.
 """
 

@@ -280,9 +280,9 @@ def run(profile: str = "ci", stages: list[str] | None = None,
 
     c_kernel = emulate_the_c_kernel_where_missing()
     print(f"  checking {c_kernel}", flush=True)
-    where = device.describe()
-    gpu = f" on {where['gpu']}" if where["gpu"] else ""
-    print(f"  Triton kernels: {where['device'] or 'nowhere'}{gpu}, Triton {where['triton']}",
+    ran_on = device.describe()
+    gpu = f" on {ran_on['gpu']}" if ran_on["gpu"] else ""
+    print(f"  Triton kernels: {ran_on['device'] or 'nowhere'}{gpu}, Triton {ran_on['triton']}",
           flush=True)
     REPORTS.mkdir(parents=True, exist_ok=True)
     verifying = gate.watched_digest() if thorough else None  # the files this run vouches for
@@ -328,7 +328,7 @@ def run(profile: str = "ci", stages: list[str] | None = None,
         for s in r.skipped[:10]:
             print(f"  {'':<{width}}    ? {s[:400]}")
     ok = all(r.verdict == "passed" for r in results)
-    report = {"verdict": "exact" if ok else "NOT exact", "profile": shown, "device": where,
+    report = {"verdict": "exact" if ok else "NOT exact", "profile": shown, "device": ran_on,
               "mutant": mutant.name if mutant else None, "c_kernel": c_kernel,
               "shard": f"{shard[0]}/{shard[1]}" if shard else None,
               "seconds": round(time.perf_counter() - begin, 1),
