@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from exactness.kernels.cpu.vnni_library import SIGNATURES
 from exactness.kernels.registry import Fit
 
 # the statement planted, and the signal it raises on x86-64 Linux
@@ -18,8 +19,7 @@ HANG = "for (volatile int forever = 1; forever;) {}"
 
 # cpu_vnni.c's entry points (vnni_library.SIGNATURES binds each): the quantization's first pass,
 # the first the self-check calls, holds the planted statement
-ENTRY_POINTS = ("exact_linear_vnni", "exact_linear_spans", "quantize_limbs", "round_rows",
-                "exact_grouped")
+ENTRY_POINTS = tuple(name for name in SIGNATURES if name != "row_exponents")
 
 
 def stub(statement: str) -> str:

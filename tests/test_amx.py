@@ -11,16 +11,26 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from exactness import ExactLinear, ops
 from exactness.contract import BFLOAT16, FLOAT32, ContractValueError, act_qmax
 from exactness.formats import pack_weights, round_scaled
 from exactness.kernels import KernelUnavailableError, registry
-from exactness.kernels.cpu import amx, amx_library, vnni_library
+from exactness.kernels.cpu import (
+    amx,
+    amx_calls,
+    amx_layout,
+    amx_library,
+    vnni_layout,
+    vnni_library,
+)
 from exactness.kernels.registry import no, yes
 from exactness.suite.cases import LinearCase
 from exactness.suite.counterexamples import check_bits
 from exactness.suite.paths import require, run
+from exactness.suite.strategies import seeds
 
 pytestmark = pytest.mark.stage("equivalence")  # make verify's stage
 
@@ -266,3 +276,27 @@ def test_32_bit_activations_are_refused_with_the_reason():
     layer = ExactLinear.from_weight(torch.randn(16, 64), act_bits=32, kernel="amx")
     with pytest.raises(KernelUnavailableError, match="needs 4 int8 limbs, it carries at most 2"):
         layer(torch.randn(2, 64))
+
+
+@given(seed=seeds, groups=st.sampled_from([1, 2, 3, 7, 64, 1030]), small=st.booleans(),
+       most_shift=st.integers(0, 12))
+def test_the_c_spans_are_their_python_twin(seed, groups, small, most_shift):
+    """cpu_amx.c's spans (amx_block_spans, per block in C) against amx_layout.amx_spans: every
+    span end, base, folded factor and R. Small factors make spans reach the AMX_SPAN_GROUPS cap
+    (1030 groups); large ones with shifts end spans at every kind of step; rows of zeros, of one
+    shared power of two and of odd factors beside them; 4- and 8-bit weights."""
+    require("amx")
+    g = torch.Generator().manual_seed(seed)
+    n, k = 37, 32 * groups
+    ms_max = 3 if small else 255
+    least = -8 if seed % 2 else -128
+    q = torch.randint(least, -least, (n, k), generator=g)
+    ms = torch.randint(-ms_max, ms_max + 1, (n, groups), generator=g, dtype=torch.int32)
+    shift = torch.randint(0, most_shift + 1, ms.shape, generator=g, dtype=torch.int32)
+    ms[2] = 0  # a zero row: base 0
+    ms[3] |= 1  # odd factors: base 0
+    shift[4] = most_shift  # every factor of the row a multiple of 2**most_shift
+    weights = vnni_layout.NativeWeights(q, ms << shift)
+    got, want = amx_calls.spans(weights, amx_library.library()), amx_layout.amx_spans(weights)
+    for name, a, b in zip(("f", "base", "ends", "rsum"), got, want, strict=True):
+        assert torch.equal(a, b), name

@@ -16,7 +16,7 @@ from exactness.contract import BFLOAT16, FLOAT32, FORMATS, ContractValueError, S
 from exactness.dataflow import act_limbs, activation_limbs
 from exactness.formats import bits_to_tensor, pack_weights, tensor_to_bits, torch_dtype
 from exactness.kernels import REGISTRY, KernelUnavailableError, registry
-from exactness.kernels.cpu import vnni, vnni_check, vnni_layout, vnni_library
+from exactness.kernels.cpu import vnni, vnni_calls, vnni_check, vnni_layout, vnni_library
 from exactness.kernels.registry import no
 from exactness.kernels.triton import group as triton_group
 from exactness.kernels.triton import layer as triton_layer
@@ -131,8 +131,7 @@ def test_span_kernel_at_the_int32_edge():
         case = LinearCase(x, FLOAT32, q, pack_weights(q, 4), scales, 16, FLOAT32, 4)
         check_path(case, "vnni-spans")
         layer = layer_for(case, "vnni-spans")
-        layer(bits_to_tensor(x, FLOAT32))
-        _, _, ends, kinds = layer.prepared("vnni-spans").spans
+        _, _, ends, kinds = vnni_calls.span_scales_of(layer.prepared("vnni-spans"))
         assert kinds.tolist() == unshifted
         assert bool(ends[0].all()) == one_group_spans
 
@@ -141,21 +140,23 @@ def test_span_kernel_at_the_int32_edge():
 @pytest.mark.parametrize("factor", [510, 516], ids=["at-the-limit", "one-step-past"])
 def test_span_bounds_attacked_one_chain_at_a_time(chain, factor):
     """A bound that holds for a group can fail for one of its parts: here the span kernel's two
-    int32 chains (pairs (k0, k2) and (k1, k3) of each 4 k), loaded one at a time, every weight
-    of the loaded chain -8 and every activation +Qa. With factors 255 and 510 the loaded chain
-    sums 16 * 32767 * 8 * 510, just under 2**31: the block stays unshifted. With 255 and 516
-    (one step past) a chain would wrap, and the certificate must send the block to spans."""
+    int32 chains (bytes 0, 2 and 1, 3 of each lane's word, both nibbles), loaded one at a time,
+    every weight of the loaded chain -8 and every activation +Qa. Read in place, a word's byte t
+    holds k 2 t and 2 t + 1 of its 8, so a chain is k 0, 1, 4, 5 or 2, 3, 6, 7 of each 8. With
+    factors 255 and 510 the loaded chain sums 16 * 32767 * 8 * 510, just under 2**31: the block
+    stays unshifted. With 255 and 516 (one step past) a chain would wrap, and the block must
+    take spans."""
     skip_unless_here("vnni-spans")
     m, k, n = 4, 64, 16
     x = np.full((m, k), 0x46FFFE00, np.int64)  # fp32 32767.0: e_r = 0, qa = Qa
-    loaded = np.isin(np.arange(k) % 4, (0, 2) if chain == "k0-k2" else (1, 3))
+    loaded = np.isin(np.arange(k) % 8, (0, 1, 4, 5) if chain == "k0-k2" else (2, 3, 6, 7))
     q = np.where(loaded, -8, 0) * np.ones((n, 1), np.int64)
     scales = np.tile([0x437F, 0x43FF if factor == 510 else 0x4401], (n, 1))  # 255; 510 or 516
     case = LinearCase(x, FLOAT32, q, pack_weights(q, 4), scales, 16, FLOAT32, 4)
     check_path(case, "vnni-spans")
     layer = layer_for(case, "vnni-spans")
-    layer(bits_to_tensor(x, FLOAT32))
-    assert layer.prepared("vnni-spans").spans[3].tolist() == [int(factor == 510)]
+    assert vnni_calls.span_scales_of(layer.prepared("vnni-spans"))[3].tolist() == [
+        int(factor == 510)]
 
 
 @pytest.mark.parametrize("edge", [-9, -8, 7, 8])
@@ -174,7 +175,7 @@ def test_the_c_layout_chosen_from_the_weights_range_at_its_edges(edge):
     for path in ("vnni-limbs", "vnni-grouped"):
         check_path(case, path)
     derived = vnni_layout.NativeWeights(torch.from_numpy(q), torch.ones(n, 2, dtype=torch.int32))
-    assert derived.nibbles == (-8 <= edge <= 7)  # the derived layout's choice (amx's)
+    assert derived.nibbles == (-8 <= edge <= 7)  # the derived layout's choice (the self-checks')
 
 
 def one_wide_group(n: int, k: int, scale: int, wide: int) -> np.ndarray:
@@ -830,6 +831,14 @@ def test_layer_keeps_no_float_copy_of_the_weight():
     assert all(t is layer.weight_scale for t in floats)
 
 
+def test_the_vnni_self_check_passes_in_this_process():
+    """The self-check's Python side (the derived layout it compares against, its twins) as this
+    process has it: first_run's child imports its own."""
+    skip_unless_here("vnni-limbs")
+    verdict = vnni_check.self_check(vnni_library.library())
+    assert verdict, verdict.why
+
+
 def test_the_vnni_self_check_refuses_a_broken_layout():
     """Had the kernel's layout been wrong at start-up, the layer would not have trusted it."""
     from exactness.suite.mutants import CATALOGUE, applied
@@ -922,3 +931,26 @@ def test_every_kernel_has_what_the_protocol_names():
         assert not missing, (kernel.name, missing)
     assert {"run", "prepare", "available", "eligible", "act_limbs"} <= members(Kernel)
     assert {"run_grouped", "reads"} <= members(GroupedKernel)
+
+
+@given(seed=seeds, groups=st.sampled_from([1, 2, 3, 8, 40]), most_shift=st.integers(0, 12),
+       ms_max=st.sampled_from([1, 3, 255]))
+def test_the_c_span_scales_are_their_python_twin(seed, groups, most_shift, ms_max):
+    """cpu_vnni.c's span scales (span_block_scales, per block in C) against
+    vnni_layout.span_scales: every f, rsh, span end and block kind (the self-check compares
+    layers read in place too). Small factors make unshifted blocks and long spans; shifts end
+    them; rows of zeros, of extreme weights and of odd factors beside them."""
+    skip_unless_here("vnni-spans")
+    g = torch.Generator().manual_seed(seed)
+    n, k = 37, 32 * groups
+    q = torch.randint(-8, 8, (n, k), generator=g)
+    q[1] = -8  # every chain at its largest sum
+    ms = torch.randint(-ms_max, ms_max + 1, (n, groups), generator=g, dtype=torch.int32)
+    shift = torch.randint(0, most_shift + 1, ms.shape, generator=g, dtype=torch.int32)
+    ms[2] = 0
+    ms[3] |= 1
+    derived = vnni_layout.NativeWeights(q, ms << shift)
+    want = vnni_layout.span_scales(derived.c, derived.w, k)
+    for name, a, b in zip(("f", "rsh", "ends", "unshifted"), vnni_calls.span_scales_of(derived),
+                          want, strict=True):
+        assert torch.equal(a, b), name

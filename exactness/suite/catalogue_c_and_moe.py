@@ -11,6 +11,7 @@ from .targets import (
     ACT32_KERNELS,
     AMX,
     AMX_KERNEL,
+    AMX_SPANS_TWIN,
     AMX_VECTORS,
     BATCH,
     C_KERNEL,
@@ -95,8 +96,8 @@ C_AND_MOE = (
            "bits = _mm512_maskz_mov_epi64(~subnormal, bits);",
            "subnormal results flushed to zero (FTZ)", (CPU_VECTORS, CPU)),
     # --- the span kernel (16-bit activations, 4-bit weights)
-    Mutant("span-bound-doubled", at(vnni_layout.span_scales),
-           "fits = ((tot // div <= limit)", "fits = ((tot // div <= 2 * limit)",
+    Mutant("span-bound-doubled", C_KERNEL,
+           "/ d <= SPAN_SIZE_LIMIT &&", "/ d <= 2 * SPAN_SIZE_LIMIT &&",
            "a span's int32 bound off by a factor of two: two extreme groups share a span and wrap",
            (SPANS_EDGE, SPANS_CHAIN + "[one-step-past-k1-k3]")),
     Mutant("span-base-shift-dropped", C_KERNEL,
@@ -104,8 +105,8 @@ C_AND_MOE = (
            "_mm512_srai_epi64(_mm512_slli_epi64(d, 32), 32)",
            "a span's sum added without its power of two (the even rows' scale exponent lost)",
            (SPANS, SPANS_VECTORS)),
-    Mutant("span-chain-bound-doubled", at(vnni_layout.span_scales),
-           "(c.abs() * chain_sum <= limit)", "(c.abs() * chain_sum <= 2 * limit)",
+    Mutant("span-chain-bound-doubled", C_KERNEL,
+           "a * lanes_chain[l] <= SPAN_SIZE_LIMIT", "a * lanes_chain[l] <= 2 * SPAN_SIZE_LIMIT",
            "an unshifted block's chain bound off by a factor of two: a chain wraps",
            (SPANS_EDGE, SPANS_CHAIN + "[one-step-past-k0-k2]")),
     Mutant("span-unshifted-biases-kept", C_KERNEL,
@@ -139,6 +140,17 @@ C_AND_MOE = (
            "if (!pair && g + 1 < G && 0) {",
            "where a span ends after the first group of a step, the second group is never taken",
            (AMX, AMX_VECTORS)),
+    Mutant("amx-span-cap-ignored", AMX_KERNEL, "int fits = g > 0 && length < AMX_SPAN_GROUPS;",
+           "int fits = g > 0;",
+           "spans longer than AMX_SPAN_GROUPS groups: past the proved bound, an int32 tile sum "
+           "could wrap", (AMX_SPANS_TWIN,)),
+    Mutant("amx-span-base-not-spread", AMX_KERNEL,
+           "if (!ends[g]) memcpy(base + g * 16, base + (g + 1) * 16, 16);", "(void)0;",
+           "each group folded by the base of its span so far, not of the whole span: a factor "
+           "shifted by more than the span's base loses bits", (AMX_SPANS_TWIN, AMX)),
+    Mutant("amx-in-place-order-lost", AMX_KERNEL, "L->packed && L->bits == 4);", "0);",
+           "the activations in natural order against 4-bit words read in place, whose nibbles "
+           "hold the k of each 8 in the order 0, 2, 4, 6, 1, 3, 5, 7", (AMX, AMX_VECTORS)),
     # --- inputs the suite did not generate (issue 23)
     Mutant("int-mm-exactness-trusted", at(gemm._GemmKernel.available),
            "if self.int8 and not int_mm_exact():", "if False:",
@@ -204,8 +216,8 @@ C_AND_MOE = (
            ("tests/test_load.py::test_a_rank_loads_its_experts_and_refuses_tokens_for_the_"
             "others[copied-per-expert]",
             "tests/test_load.py::test_a_predicate_takes_any_subset_and_the_fused_layout_too[k2]")),
-    Mutant("span-chain-bound-of-the-first-chain", at(vnni_layout.span_scales),
-           "chains[0] + chains[1], torch.maximum(*chains)", "chains[0] + chains[1], chains[0]",
+    Mutant("span-chain-bound-of-the-first-chain", C_KERNEL,
+           "_mm512_max_epi32(chain0, chain1)", "chain0",
            "an unshifted block certified on one of its two chains: the other wraps",
            (SPANS_CHAIN + "[one-step-past-k1-k3]",)),  # weak by design: the other three pass
     Mutant("nibble-layout-past-four-bits", at(vnni_layout.NativeWeights.__init__),

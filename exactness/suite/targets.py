@@ -72,12 +72,15 @@ DEVICES_MOE = "tests/test_devices.py::test_the_moe_experts_give_the_same_bits_on
 FOLDED = "tests/test_modules.py::test_triton_folded_path_matches_reference"
 FOLDED_VECTORS = vectors("triton-folded")
 SPANS, SPANS_VECTORS = equivalence("vnni-spans"), vectors("vnni-spans")
+# the C kernel's self-check run in this process, where a mutant of its Python side applies
+SELF_CHECK = "tests/test_modules.py::test_the_vnni_self_check_passes_in_this_process"
 KERNEL = triton_at(triton_group, "exact_group_kernel")
 C_KERNEL = source(vnni_library)
 AMX_KERNEL = source(amx_library)
 # the modules whose code only the C kernel runs: their mutants need it built
 C_ONLY = (vnni_layout.__name__, vnni_calls.__name__)
 AMX, AMX_VECTORS = equivalence("amx"), vectors("amx")
+AMX_SPANS_TWIN = "tests/test_amx.py::test_the_c_spans_are_their_python_twin"
 BATCH = "tests/test_modules.py::test_batch_and_permutation_invariance"
 QUANTIZE_SLICES = "tests/test_modules.py::test_the_quantize_kernel_at_any_slicing_and_tile"
 SPANS_EDGE = "tests/test_modules.py::test_span_kernel_at_the_int32_edge"

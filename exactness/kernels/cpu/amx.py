@@ -1,14 +1,14 @@
 """The AMX kernel, as the registry sees it: an exact int8 GEMM on AMX tiles, for the Intel
 Xeons with AMX-INT8 (Sapphire Rapids on), where torch's bf16 matmul runs on tiles too.
 
-Per block of 16 weight rows, the scales are folded into the weights over spans of groups
-(amx_layout.py): f = c >> base, |q * f| an s16 split into a u8 and an s8 digit. The tiles sum each
+It reads the checkpoint's buffers in place, as the limb kernel does (cpu_vnni.c's prepare_block,
+a block of 16 weight rows at a time). Per block, in C, the scales are folded into the weights over
+spans of groups: f = c >> base, |q * f| an s16 split into a u8 and an s8 digit. The tiles sum each
 span's dots of the activations' biased u8 limbs (cpu_vnni.c's quantization) by those digits in
 int32, and the int64 combine runs once a span, not once a group. It shares cpu_vnni.c's
-quantization, its weight blocks (NativeWeights: one prepared object per layer for both) and its
-one rounding. 16-bit activations at most (two limbs); 32 bits take `vnni-limbs`. Emulated tiles
-are never picked unasked: kernel="amx" or EXACTNESS_KERNEL=amx runs them.
-"""
+quantization, block layout and one rounding. 16-bit activations at most (two limbs); 32 bits take
+`vnni-limbs`. Emulated tiles are never picked unasked: kernel="amx" or EXACTNESS_KERNEL=amx runs
+them."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from ...contract import FloatFormat
 from ..registry import Fit, Weights, int8_limbs_hold, no, warn_fallback, yes
 from . import amx_library, vnni_library
 from .amx_calls import linear
-from .vnni_layout import NativeWeights
+from .amx_layout import AmxInPlace
 
 # the plan prefers the real tiles from this many rows on; None: never, where no table measured on
 # AMX shows them faster than the VNNI kernels (docs/PERFORMANCE.md)
@@ -64,12 +64,15 @@ class _AmxKernel:
         return yes(f"act_bits {weights.act_bits} in {dataflow.act_limbs(weights.act_bits)} "
                    f"u8 limb(s), scales folded into two digits")
 
-    def prepare(self, weights: Weights) -> NativeWeights:
-        return NativeWeights(weights.q(), weights.certificate.factor.cpu())
+    def prepare(self, weights: Weights) -> AmxInPlace:
+        """The live buffers, read in place: each block, its spans and digit planes built in C."""
+        return AmxInPlace(weights)
 
-    def run(self, x, weights: Weights, prepared: NativeWeights,
+    def run(self, x, weights: Weights, prepared: AmxInPlace,
             out_format: FloatFormat) -> torch.Tensor:
-        return linear(x, weights.act_bits, prepared, weights.certificate.emin, out_format)
+        y = linear(x, weights.act_bits, prepared, None, out_format)
+        weights.found = prepared.found()  # its slow and NaN rows, as the blocks found them
+        return y
 
 
 AMX = _AmxKernel()

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import torch
 
-from ...contract import FORMATS, act_qmax, float_format
-from ...formats import bits_to_tensor, float_bits, round_scaled_array
-from ..registry import Fit, no, yes
+from ...contract import BFLOAT16, FORMATS, act_qmax, float_format
+from ...formats import bits_to_tensor, float_bits, pack_weights, round_scaled_array, torch_dtype
+from ..certificate import certify
+from ..registry import Fit, Weights, no, yes
 from . import amx_library, vnni_library
-from .amx_calls import accumulate, linear
+from .amx_calls import accumulate, linear, spans
+from .amx_layout import AmxInPlace, amx_spans
 from .vnni_calls import quantize
 from .vnni_layout import NativeWeights, biased_limbs
 
@@ -31,8 +33,9 @@ def self_check(lib) -> Fit:
     """amx_tiles against int64 arithmetic: T and its fused rounding, at one and two limbs, both
     weight layouts, every tail of a tile's 16 rows, odd group counts, spans of every kind (one
     group each and ending mid-step, long ones, bases above 0, the AMX_SPAN_GROUPS cap, negative
-    and zero factors), the limbs and the digits at their extremes; then the one-call path
-    (exact_linear_amx) against quantize and amx_tiles; and no tile fault (the emulation counts
+    and zero factors), the limbs and the digits at their extremes, the spans against their Python
+    twin (amx_layout.amx_spans); then the one-call path (exact_linear_amx) against quantize and
+    amx_tiles; the layers read in place (read_in_place); and no tile fault (the emulation counts
     them). The verdict names the check that failed, and the faults where there were any."""
     def refused(what: str) -> Fit:
         faults = lib.amx_faults()
@@ -66,6 +69,9 @@ def self_check(lib) -> Fit:
             where = f"{w_bits}-bit weights, {m} rows, K = {k}, act_bits {act_bits}"
             if not torch.equal(accumulate(a, act_bits, weights, lib)[:, :n], want):
                 return refused(f"the accumulation ({where})")
+            if act_bits == 8 and not all(map(torch.equal, spans(weights, lib),
+                                             amx_spans(weights))):
+                return refused(f"the spans: not amx_layout.amx_spans' ({where})")
             e_r = torch.randint(-160, 10, (m,), generator=g)
             emin = torch.randint(-9, 9, (n,), generator=g)
             for fmt in FORMATS.values():
@@ -81,6 +87,45 @@ def self_check(lib) -> Fit:
             if not torch.equal(linear(x, act_bits, weights, emin, fmt, lib),
                                accumulate(limbs, act_bits, weights, lib, (e_x, emin, fmt))):
                 return refused(f"the one-call path (exact_linear_amx, {where})")
+    in_place = read_in_place(lib, g)
+    if not in_place:
+        return refused(in_place.why)
     if lib.amx_faults():
         return refused("the tiles' shapes")
     return yes("AMX-INT8 tiles, self-checked")
+
+
+def read_in_place(lib, g: torch.Generator) -> Fit:
+    """The layers read in place (prepare_block, then the spans and digits built per block in C)
+    against the derived layout of the same weights (NativeWeights of the unpacked words and the
+    certificate's factors), and both layers' spans against amx_layout.amx_spans, their Python
+    twin: 4- and 8-bit words, a partial last block, one group a row, zero, subnormal, non-finite
+    and far-apart scales (slow rows)."""
+    for bits, k, n in ((4, 256, 37), (8, 96, 21), (4, 32, 5)):
+        least = -(1 << (bits - 1))
+        q = torch.randint(least, -least, (n, k), generator=g)
+        q[0] = least
+        scale_bits = torch.randint(0, 1 << 16, (n, k // 32), generator=g)  # row 0: anywhere
+        scale_bits[1:] = (scale_bits[1:] & 0x807F) | (torch.randint(
+            118, 131, scale_bits[1:].shape, generator=g) << 7)  # spreads up to 12: fast rows
+        scale_bits[2] = 0
+        scale_bits[3, 0] = 0x7F80  # +inf
+        scale_bits[4] &= 0x807F  # subnormal
+        packed = torch.from_numpy(pack_weights(q.numpy(), bits))
+        scale = bits_to_tensor(scale_bits, BFLOAT16)
+        for act_bits in (8, 16):
+            weights = Weights(packed, scale, n, k, bits, act_bits)
+            cert = certify(scale, k, bits, act_bits)
+            derived, in_place = NativeWeights(q, cert.factor), AmxInPlace(weights)
+            where = f"{bits}-bit words, K = {k}, act_bits {act_bits}"
+            for fmt in FORMATS.values():
+                x = torch.randn(18, k, generator=g).to(torch_dtype(fmt))
+                want = linear(x, act_bits, derived, cert.emin, fmt, lib)
+                if not torch.equal(linear(x, act_bits, in_place, None, fmt, lib), want):
+                    return no(f"the weights read in place ({where}, {fmt.name})")
+            twin = amx_spans(derived)
+            for layer in (derived, in_place):
+                if not all(map(torch.equal, spans(layer, lib), twin)):
+                    return no(f"the spans of a layer {type(layer).__name__} ({where}): not "
+                              f"amx_layout.amx_spans'")
+    return yes("read in place")

@@ -1,29 +1,57 @@
-"""The AMX kernel's layout: cpu_vnni.c's weight blocks (NativeWeights) with the scales folded in
-over spans of groups (amx_spans), derived once per layer and kept beside them, and the struct
-cpu_amx.c reads.
+"""The AMX kernel's layout. It reads a layer as the limb kernel does (vnni_layout.InPlace: the
+checkpoint's buffers, each block of 16 rows built in C as its thread reaches it); cpu_amx.c then
+derives the block's spans and digit planes there too, so nothing is built in Python or kept.
+`amx_spans` is the Python twin of that C (amx_block_spans), for the suite to check it against.
 """
 
 from __future__ import annotations
 
-import ctypes
-
 import torch
 
 from ... import dataflow
-from .vnni_layout import LANE_ROWS, NativeWeights, at_span_ends
+from ...contract import GROUP_SIZE
+from ..registry import Weights
+from .vnni_layout import LANE_ROWS, InPlace, NativeWeights, at_span_ends
 
 
-def amx_spans(weights: NativeWeights) -> AmxSpans:
-    """The AMX kernel's spans of one layer's weights (NativeWeights: c [G, Np] in row order, wsum
-    [G, Np] in lane order). Per block of 16 rows, groups are taken into a span greedily while, for
-    every row, the largest |c| of the span over the largest power of two dividing them all (base)
-    is at most dataflow.span_fold_limit (then every q * (c >> base) is an s16, proofs:
-    amx-span-digits), and the span has at most AMX_SPAN_GROUPS groups. A group alone always
-    fits: c >> its low bit is |ms| <= 255."""
-    c, groups = weights.c.t().to(torch.int64), weights.k // 32
+class AmxInPlace(InPlace):
+    """A layer read in place by the AMX kernel (InPlace), whose scratch is larger: besides the
+    block, its spans and its two digit planes."""
+
+    def __init__(self, weights: Weights):
+        super().__init__(weights)
+        self.w_bits = weights.bits
+
+    @property
+    def nbytes(self) -> int:
+        """The rows' emin and flags, and each thread's scratch (cpu_amx.c's amx_scratch_bytes)."""
+        groups = self.k // GROUP_SIZE
+        scratch = (self.k * 16 + 4 * groups * 16 * 4 + groups * 16 * 3 + groups + 16 * 8
+                   + groups * 2048 + groups * 2 * 4 + 64 * 4)
+        return self.emin.numel() * 8 + self.flags.numel() + scratch * torch.get_num_threads()
+
+
+def fold_limit(weights: NativeWeights | AmxInPlace) -> int:
+    """dataflow.span_fold_limit of the weights' width as the kernel reads them: 4-bit pairs
+    (derived, where every weight fits) or the checkpoint's own width (in place)."""
+    if isinstance(weights, NativeWeights):
+        return dataflow.span_fold_limit(4 if weights.nibbles else 8)
+    return dataflow.span_fold_limit(weights.w_bits)
+
+
+def amx_spans(weights: NativeWeights) -> tuple[torch.Tensor, ...]:
+    """The twin of cpu_amx.c's amx_block_spans, for one layer's weights (NativeWeights: c [G, Np]
+    in row order, wsum [G, Np] in lane order): (f [Np/16, G, 16] int16 in lane order, base
+    [Np/16, G, 16] int8 in row order, ends [Np/16, G] uint8, rsum [Np] int64 in row order).
+    Per block of 16 rows, groups are taken into a span greedily while, for every row, the largest
+    |c| of the span over the largest power of two dividing them all (2**base) is at most
+    dataflow.span_fold_limit (then every q * (c >> base) is an s16, proofs: amx-span-digits), and
+    the span has at most AMX_SPAN_GROUPS groups. A group alone always fits: c >> its low bit is
+    |ms| <= 255. R = sum_k q * c."""
+    c, groups = weights.c.t().to(torch.int64), weights.k // GROUP_SIZE
     nb = weights.np // 16
     c = c.reshape(nb, 16, groups)  # row order
-    limit = dataflow.span_fold_limit(4 if weights.nibbles else 8)
+    limit = fold_limit(weights)
     never = 1 << 40  # "no nonzero factor yet": divides nothing
     low_bit = torch.where(c != 0, c & -c, never)
     top = c.abs()
@@ -48,40 +76,6 @@ def amx_spans(weights: NativeWeights) -> AmxSpans:
     rows = torch.tensor(LANE_ROWS).argsort()  # each row's lane
     wsum = weights.wsum.to(torch.int64).view(groups, nb, 16)[:, :, rows].reshape(groups, -1)
     rsum = (wsum * weights.c.to(torch.int64)).sum(0)  # R = sum_k q * c, row order
-    return AmxSpans(f[:, LANE_ROWS].transpose(1, 2).to(torch.int16).contiguous(),
-                    base.transpose(1, 2).to(torch.int8).contiguous(),
-                    ends.to(torch.uint8).contiguous(), rsum.contiguous())
-
-
-class AmxLayer(ctypes.Structure):
-    """cpu_amx.c's AmxLayer: what the AMX kernel reads of a layer."""
-
-    _fields_ = [(name, ctypes.c_void_p) for name in
-                ("w", "f", "base", "ends", "rsum", "emin")] + [
-        ("k", ctypes.c_int64), ("np", ctypes.c_int64), ("n", ctypes.c_int64),
-        ("nibbles", ctypes.c_int32)]
-
-
-class AmxSpans:
-    """The AMX kernel's spans of one layer (amx_spans), derived once and kept beside its
-    NativeWeights: f [Np/16, G, 16] int16 in lane order, base [Np/16, G, 16] int8 and the
-    rows' R = sum_k q * c [Np] int64 in row order, ends [Np/16, G] uint8."""
-
-    def __init__(self, f, base, ends, rsum):
-        self.f, self.base, self.ends, self.rsum = f, base, ends, rsum
-        self.tensors = (f, base, ends, rsum)
-        self._layer: tuple = ()  # (emin, its padded copy, the AmxLayer pointing into them)
-
-    def layer(self, weights: NativeWeights, emin: torch.Tensor) -> AmxLayer:
-        """The AmxLayer for the certificate's `emin`, built once per emin and kept."""
-        if not self._layer or self._layer[0] is not emin:
-            padded = weights.padded(emin)
-            self._layer = (emin, padded, AmxLayer(
-                weights.w.data_ptr(), self.f.data_ptr(), self.base.data_ptr(),
-                self.ends.data_ptr(), self.rsum.data_ptr(), padded.data_ptr(), weights.k,
-                weights.np, weights.n, int(weights.nibbles)))
-        return self._layer[2]
-
-
-def spans_of(weights: NativeWeights) -> AmxSpans:
-    return weights.derived("amx", amx_spans)
+    return (f[:, LANE_ROWS].transpose(1, 2).to(torch.int16).contiguous(),
+            base.transpose(1, 2).to(torch.int8).contiguous(), ends.to(torch.uint8).contiguous(),
+            rsum.contiguous())

@@ -53,10 +53,12 @@ def build(amx_source: str | None = None) -> tuple[ctypes.CDLL | None, Fit]:
 def bind(lib):
     """`lib` with the AMX entry points' signatures set (cpu_vnni.c's: vnni_library.SIGNATURES)."""
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.amx_tiles.argtypes = [ptr, ptr, i64, i32, ptr, ptr, ptr, i32, i32]
-    lib.exact_linear_amx.argtypes = [ptr, ptr, i32, i32, i32, i64, i32, i64, ptr, i32, i32]
+    lib.amx_tiles.argtypes = [ptr, ptr, i64, i32, ptr, ptr, ptr, i32, i32, i64]
+    lib.exact_linear_amx.argtypes = [ptr, ptr, i32, i32, i32, i64, i32, i64, ptr, i32, i32, i64]
     lib.amx_plane_bytes.argtypes = [i64, i64, i32]
-    lib.amx_tiles.restype = lib.exact_linear_amx.restype = lib.amx_plane_bytes.restype = i64
+    lib.amx_layer_spans.argtypes = [ptr, i64, ptr, ptr, ptr, ptr]
+    for entry in (lib.amx_tiles, lib.exact_linear_amx, lib.amx_plane_bytes, lib.amx_layer_spans):
+        entry.restype = i64
     lib.amx_request.restype, lib.amx_faults.restype = i32, i64
     return lib
 

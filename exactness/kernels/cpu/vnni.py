@@ -14,7 +14,7 @@ from ...formats import torch_dtype
 from ..registry import Fit, Weights, int8_limbs_hold, no, refuse_unheld, warn_fallback, yes
 from . import vnni_library
 from .vnni_calls import grouped, linear, scratch_bytes
-from .vnni_layout import InPlace, NativeWeights
+from .vnni_layout import InPlace
 
 SPAN_MIN_ROWS = 24  # from here on the span kernel is faster (measured: docs/PERFORMANCE.md)
 
@@ -46,20 +46,14 @@ class _VnniKernel:
                       f"{weights.act_bits} and {weights.bits}-bit weights")
         return yes("16-bit activations as int16 words" if self.spans else "any widths")
 
-    def prepare(self, weights: Weights) -> InPlace | NativeWeights:
-        """The live buffers, read in place; the span kernel's layout and scales, derived for this
-        forward in Python (slow: it is taken only when asked for)."""
-        if self.spans:
-            return NativeWeights(weights.q(), weights.certificate.factor.cpu())
+    def prepare(self, weights: Weights) -> InPlace:
+        """The live buffers, read in place: each block (and the span kernel's scales) built in C
+        as its thread reaches it."""
         return InPlace(weights)
 
-    def run(self, x, weights: Weights, prepared: InPlace | NativeWeights,
-            out_format: FloatFormat):
-        if self.spans:
-            return linear(x, weights.act_bits, prepared, weights.certificate.emin, out_format,
-                          spans=True)
-        y = linear(x, weights.act_bits, prepared, None, out_format)
-        weights.found = prepared.found()
+    def run(self, x, weights: Weights, prepared: InPlace, out_format: FloatFormat):
+        y = linear(x, weights.act_bits, prepared, None, out_format, spans=self.spans)
+        weights.found = prepared.found()  # its slow and NaN rows, as the blocks found them
         return y
 
 
@@ -99,8 +93,8 @@ class _VnniGroupedKernel(_VnniKernel):
                        out=out, scratch=scratch), None
 
 
-# the span kernel's scales are derived in Python per forward (its weights cannot be read in
-# place yet): never the plan's own pick, and its min_rows says where it would pay once they are
+# the span kernel: not the plan's own pick until a measurement of it read in place (issue 52)
+# shows it faster than the limb kernel; min_rows is where it was, with its layout derived ahead
 SPANS = _VnniKernel("vnni-spans", spans=True, min_rows=SPAN_MIN_ROWS, auto=False)
 LIMBS = _VnniKernel("vnni-limbs", spans=False, min_rows=0)
 GROUPED = _VnniGroupedKernel()

@@ -17,7 +17,7 @@ from ... import dataflow
 from ...contract import ContractValueError, FloatFormat, act_qmax, float_format
 from ...formats import check_finite, float_bits, torch_dtype
 from . import vnni_library
-from .vnni_layout import Grouped, NativeWeights
+from .vnni_layout import Grouped, InPlace, NativeWeights
 
 FORMAT_CODES = {"bfloat16": 0, "float16": 1, "float32": 2}  # cpu_vnni.c's load16
 
@@ -84,6 +84,22 @@ def accumulate(a: torch.Tensor, act_bits: int, weights: NativeWeights, lib=None,
                               weights.c.data_ptr(), t_ptr, m, weights.k, weights.np,
                               dataflow.act_limbs(act_bits), int(weights.nibbles), *out)
     return y if rounding else t
+
+
+def span_scales_of(weights: NativeWeights | InPlace, lib=None) -> tuple[torch.Tensor, ...]:
+    """The span scales cpu_vnni.c builds per block (span_layer_scales) of a layer with 4-bit words,
+    derived or read in place, in vnni_layout.span_scales' shapes: (f, rsh, ends, unshifted)."""
+    lib = lib or vnni_library.library()
+    nb, groups = weights.np // 16, weights.k // 32
+    f = torch.empty((nb, groups, 16), dtype=torch.int16)
+    rsh = torch.empty((nb, groups, 16), dtype=torch.int8)
+    ends = torch.empty((nb, groups), dtype=torch.uint8)
+    unshifted = torch.empty(nb, dtype=torch.uint8)
+    emin = torch.zeros(weights.n, dtype=torch.int64)
+    if lib.span_layer_scales(ctypes.byref(weights.layer(emin, False)), f.data_ptr(),
+                             rsh.data_ptr(), ends.data_ptr(), unshifted.data_ptr()):
+        raise MemoryError(f"no memory for a block of K = {weights.k}")
+    return f, rsh, ends, unshifted
 
 
 def round_rows(t: torch.Tensor, n: int, e_r: torch.Tensor, emin: torch.Tensor,

@@ -18,8 +18,16 @@ from ..certificate import certify
 from ..registry import Fit, Weights, no, yes
 from . import vnni_library
 from .vnni import SPAN_MIN_ROWS
-from .vnni_calls import accumulate, grouped, linear, quantize, round_rows
-from .vnni_layout import FLAG_NONFINITE, FLAG_SLOW, InPlace, NativeWeights, biased_limbs, span_order
+from .vnni_calls import accumulate, grouped, linear, quantize, round_rows, span_scales_of
+from .vnni_layout import (
+    FLAG_NONFINITE,
+    FLAG_SLOW,
+    InPlace,
+    NativeWeights,
+    biased_limbs,
+    span_order,
+    span_scales,
+)
 
 
 def check_file(file: Path, digest: str) -> Fit:
@@ -154,18 +162,40 @@ def self_check(lib) -> Fit:
             weights = Weights(packed, scale, n, k, bits, act_bits)
             cert = certify(scale, k, bits, act_bits)
             derived, in_place = NativeWeights(q, cert.factor), InPlace(weights)
+            spans = bits == 4 and act_bits == 16  # the span kernel too, its scales per block
             for fmt in FORMATS.values():
                 x = torch.randn(6, k, generator=g).to(torch_dtype(fmt))
                 want = linear(x, act_bits, derived, cert.emin, fmt, lib)
-                if not torch.equal(linear(x, act_bits, in_place, None, fmt, lib), want):
-                    return no(f"its self-check failed on the weights read in place ({bits}-bit "
-                              f"words, K = {k}, act_bits {act_bits}, {fmt.name})")
+                for kernel in (False, True) if spans else (False,):
+                    if not torch.equal(linear(x, act_bits, in_place, None, fmt, lib, kernel),
+                                       want):
+                        return no(f"its self-check failed on the weights read in place "
+                                  f"({bits}-bit words, K = {k}, act_bits {act_bits}, "
+                                  f"{fmt.name}{', span kernel' if kernel else ''})")
+            twin = span_scales(derived.c, derived.w, k) if spans else ()
+            for layer in (derived, in_place) if spans else ():
+                if not all(map(torch.equal, span_scales_of(layer, lib), twin)):
+                    return no(f"its self-check failed on the span scales of a layer "
+                              f"{type(layer).__name__} (K = {k}): not vnni_layout.span_scales'")
             flags = in_place.flags[:n]
             if not (torch.equal(in_place.emin[:n], cert.emin)
                     and torch.equal((flags & FLAG_SLOW) != 0, ~cert.fast)
                     and torch.equal((flags & FLAG_NONFINITE) != 0, cert.nonfinite)):
                 return no(f"its self-check failed on the scales read in place: emin or flags "
                           f"({bits}-bit words, K = {k}, act_bits {act_bits})")
+    # the span scales at their bounds, against their twin: every weight -8 and groups of 255
+    # that one more group would take past the span bound (a 1020 makes the block take spans);
+    # then each chain loaded alone at factor 516, one step past an unshifted block
+    edge = [NativeWeights(torch.full((16, 256), -8), torch.tensor(
+        [[255] * 7 + [1020]] + [[255] * 8] * 15, dtype=torch.int32))]
+    for chain in (0, 1):
+        q = torch.where(torch.arange(64) % 2 == chain, -8, 0).expand(16, 64)  # k0, k2 or k1, k3
+        edge.append(NativeWeights(q, torch.tensor([[255, 516]] * 16, dtype=torch.int32)))
+    for weights in edge:
+        if not all(map(torch.equal, span_scales_of(weights, lib),
+                       span_scales(weights.c, weights.w, weights.k))):
+            return no("its self-check failed on the span scales at their bounds: not "
+                      "vnni_layout.span_scales'")
     t = torch.randint(-(2**62), 2**62, (4, 67), generator=g) >> torch.randint(0, 62, (4, 67),
                                                                             generator=g)
     t[0, :8] = torch.tensor([0, 1, -1, 3, -3, 2**62, -(2**62), 5])

@@ -2,7 +2,7 @@
 (NativeWeights, derived once; InPlace, the checkpoint's own buffers read in place), the span
 kernel's scales (span_scales), the activations' limbs and words (biased_limbs, span_order: the
 twins of its quantize_limbs), and the ctypes structs its entry points take. The AMX kernel reads
-the same weight blocks (amx_layout.py).
+layers of both kinds too (amx_layout.py).
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ class InPlace:
                             dataflow.certified_spread(self.k, weights.bits, weights.act_bits))
 
     def layer(self, emin: None, spans: bool) -> Layer:
-        """exact_grouped's Layer (the emin and spans of a derived layer do not apply)."""
+        """exact_grouped's Layer (the emin of a derived layer does not apply; the span kernel
+        builds its scales per block, 4-bit words only)."""
         return self._layer
 
     def found(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,9 +67,10 @@ class InPlace:
     @property
     def nbytes(self) -> int:
         """What one forward derives and frees: the rows' emin and flags, and each thread's block
-        of 16 rows (its words, weight sums, factors and decoded scales: exact_grouped's)."""
+        of 16 rows (its words, weight sums, factors, decoded scales and span scales:
+        exact_grouped's)."""
         groups = self.k // GROUP_SIZE
-        block = self.k * 16 + 4 * groups * 16 * 4
+        block = -(-(self.k * 16 + 4 * groups * 16 * 4 + groups * 16 * 3 + groups) // 64) * 64
         return self.emin.numel() * 8 + self.flags.numel() + block * torch.get_num_threads()
 
 
@@ -83,7 +85,8 @@ class NativeWeights:
     """Derived at load for cpu_vnni.c: the weights in blocks of 16 rows per vector, as 4-bit pairs
     when every weight fits 4 bits (else a byte each), and per group: the weight sums and the scale
     factors ms << shift (0 on slow rows), int32 each; the span kernel's scales (`spans`) are
-    derived from these when it first runs."""
+    derived from these when it first runs (span_scales: a layer read in place has them built per
+    block, in C)."""
 
     def __init__(self, q: torch.Tensor, factor: torch.Tensor):
         n, k = q.shape
@@ -104,18 +107,8 @@ class NativeWeights:
 
     @property
     def nbytes(self) -> int:
-        built = (*self.__dict__.get("spans", ()), *self._emin[1:],  # counted once built
-                 *(t for d in self._derived.values() for t in d.tensors))
+        built = (*self.__dict__.get("spans", ()), *self._emin[1:])  # counted once built
         return sum(t.numel() * t.element_size() for t in (self.w, self.wsum, self.c, *built))
-
-    def derived(self, name: str, build):
-        """What another kernel of this layout derives from these weights (the AMX kernel's
-        spans): build(self) on first use, kept here, counted in nbytes (its `tensors`)."""
-        if name not in self._derived:
-            self._derived = {**self._derived, name: build(self)}
-        return self._derived[name]
-
-    _derived: dict = {}  # by name: what derived() built (replaced, never mutated in place)
 
     _emin: tuple = ()  # (the certificate's emin, padded to np): what self._layer points to
     _layer: Layer | None = None
@@ -144,8 +137,9 @@ class NativeWeights:
 
 
 def span_scales(c: torch.Tensor, w: torch.Tensor, k: int):
-    """exact_linear_spans' scales for 4-bit weights (NativeWeights' c and nibbles w, K = k):
-    (f [Np/16, G, 16] int16 in lane order, rsh [Np/16, G, 16] int8 in row order, ends
+    """The twin of cpu_vnni.c's span_block_scales (the self-check and tests/test_modules.py
+    compare them): exact_linear_spans' scales for 4-bit weights (NativeWeights' c and nibbles w,
+    K = k): (f [Np/16, G, 16] int16 in lane order, rsh [Np/16, G, 16] int8 in row order, ends
     [Np/16, G] uint8, unshifted [Np/16] uint8). Per block of 16 rows, one of two kinds (whatever
     the activations, every sum below times 32767 is an int32, and |q * f| fits s16: |f| <=
     dataflow.span_fold_limit):
@@ -189,8 +183,8 @@ def span_scales(c: torch.Tensor, w: torch.Tensor, k: int):
     ends[:, -1] = True
     divisor[..., -1] = span_div
     divisor = torch.where((divisor == never) | unshifted[:, None, None], 1, divisor)
-    base = divisor.log2().round().to(torch.int64)  # exact: powers of two below 2**40
-    f = c >> at_span_ends(base, ends)
+    base = at_span_ends(divisor.log2().round().to(torch.int64), ends)  # exact: powers of two
+    f = c >> base
     return (f[:, LANE_ROWS].transpose(1, 2).to(torch.int16).contiguous(),
             (32 - base).transpose(1, 2).to(torch.int8).contiguous(),
             ends.to(torch.uint8).contiguous(), unshifted.to(torch.uint8).contiguous())

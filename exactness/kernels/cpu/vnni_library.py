@@ -36,6 +36,7 @@ SIGNATURES = {  # cpu_vnni.c's entry points: (argument types, result type)
     "round_rows": ([_P, _I64, _P, _P, _I64, _I64, _I32, _I32, _P], None),
     "exact_grouped": ([_P, _P, _I32, _I32, _I32, _I64, _I32, _I64, _P, _I32, _I32, _P, _I64],
                       _I64),
+    "span_layer_scales": ([_P] * 5, _I64),
 }
 
 

@@ -1,11 +1,14 @@
 // The AMX kernel (Intel Xeon, Sapphire Rapids on): an int8 GEMM on tiles with the scales folded
 // into the weights, summed over spans of groups. amx_library.py appends this file to cpu_vnni.c,
-// so the quantization (row_exponents, quantize_limbs: biased u8 limbs), the weight layout
-// (NativeWeights) and the one rounding (finish) are that file's.
+// so the quantization (quantize_into: biased u8 limbs), the layer (Layer: derived, or the
+// checkpoint's buffers read in place by prepare_block) and the one rounding (finish) are that
+// file's. Everything below is built per block of 16 weight rows by the thread that runs it, in C,
+// from the block's words, weight sums and factors: its spans (amx_block_spans), then its digit
+// planes (fold_block). Nothing is derived ahead or kept between forwards.
 //
 // Per block of 16 weight rows, a span of consecutive groups shares, per row n, one base b_n: every
 // factor c = ms << shift of the row's groups in the span is a multiple of 2**b_n, and
-// f = c >> b_n fits |q * f| <= 32767 (amx_layout.amx_spans picks the spans greedily; one group
+// f = c >> b_n fits |q * f| <= 32767 (amx_block_spans picks the spans greedily; one group
 // always fits). The folded weights wf = q * f are split into two digits, wf = 256 * hi + lo, lo in
 // [0, 255] (u8), hi in [-128, 127] (s8) (proofs: amx-span-digits). With the activations' L biased
 // limbs u_i = a_i + 128 (qa = sum_i 256**i u_i - B, B = 2**(8 L - 1)):
@@ -70,20 +73,60 @@ static void configure_tiles(int rows) {
     LDTILECFG(cfg);
 }
 
-// What the AMX kernel reads of a layer (amx_layout.AmxLayer): cpu_vnni.c's weights w
-// (NativeWeights) and the spans (amx_layout.amx_spans): f [Np/16][G][16] int16 in lane order;
-// base [Np/16][G][16] int8 in row order (its span's b_n, read at span ends); ends [Np/16][G]
-// uint8, 1 where a span ends; rsum [Np] int64 R = sum_k q * c in row order; emin [Np] for the
-// rounding.
+// One block of 16 weight rows as the AMX kernel reads it: the weights w in cpu_vnni.c's block
+// layout (4-bit pairs where `nibbles`), the weight sums wsum [G] of 16 int32 in lane order and the
+// factors c [G] of 16 int32 in row order, `stride` int32 from one group to the next (Np for a
+// derived layer, 16 for a block read in place by prepare_block).
 typedef struct {
     const uint8_t *w;
-    const int16_t *f;
-    const int8_t *base;
-    const uint8_t *ends;
-    const int64_t *rsum, *emin;
-    int64_t K, Np, N;
-    int32_t nibbles;
-} AmxLayer;
+    const int32_t *wsum, *c;
+    int64_t stride;
+    int nibbles;
+} AmxBlock;
+
+// The block's spans (the twin of amx_layout.amx_spans, checked against it by the suite): groups are
+// taken into a span greedily while, for every row, the largest |c| of the span over the largest
+// power of two dividing all its c (2**base) is at most fold_limit (then every q * (c >> base) is
+// an s16: proofs, amx-span-digits), and the span holds at most AMX_SPAN_GROUPS groups. A group
+// alone always fits: c >> its low bit is |ms| <= 255. Out: f [G][16] int16 in lane order
+// (c >> its span's base), base [G][16] int8 in row order (each group's span's), ends [G] uint8
+// (1 where a span ends) and rsum [16] int64 R = sum_k q * c in row order.
+static void amx_block_spans(const AmxBlock *blk, int64_t G, int64_t fold_limit, int16_t *f,
+                            int8_t *base, uint8_t *ends, int64_t *rsum) {
+    const int64_t never = (int64_t)1 << 40;  // "no nonzero factor yet": divides nothing
+    int64_t low[16], top[16], length = 0;
+    for (int64_t g = 0; g < G; g++) {
+        const int32_t *c = blk->c + g * blk->stride;
+        int fits = g > 0 && length < AMX_SPAN_GROUPS;
+        for (int r = 0; r < 16 && fits; r++) {
+            const int64_t v = c[r], bit = v ? (v & -v) : never, a = v < 0 ? -v : v;
+            const int64_t l = bit < low[r] ? bit : low[r], t = a > top[r] ? a : top[r];
+            fits = t / l <= fold_limit;
+        }
+        if (!fits && g > 0) ends[g - 1] = 1;
+        for (int r = 0; r < 16; r++) {
+            const int64_t v = c[r], bit = v ? (v & -v) : never, a = v < 0 ? -v : v;
+            low[r] = fits && low[r] < bit ? low[r] : bit;  // the span's min, or a new span's
+            top[r] = fits && top[r] > a ? top[r] : a;
+            base[g * 16 + r] = (int8_t)(low[r] == never ? 0 : __builtin_ctzll((uint64_t)low[r]));
+        }
+        ends[g] = 0;
+        length = fits ? length + 1 : 1;
+    }
+    ends[G - 1] = 1;
+    for (int64_t g = G - 2; g >= 0; g--) {  // each group takes its span's base: the span end's
+        if (!ends[g]) memcpy(base + g * 16, base + (g + 1) * 16, 16);
+    }
+    for (int r = 0; r < 16; r++) rsum[r] = 0;
+    for (int64_t g = 0; g < G; g++) {
+        const int32_t *c = blk->c + g * blk->stride, *ws = blk->wsum + g * blk->stride;
+        for (int l = 0; l < 16; l++) {
+            const int r = (l & 1) * 8 + l / 2;  // LANE_ROWS[l]
+            f[g * 16 + l] = (int16_t)(c[r] >> base[g * 16 + r]);
+            rsum[r] += (int64_t)ws[l] * c[r];
+        }
+    }
+}
 
 // One 4-k step of 16 lanes (q: 64 s8, lane-major) times its lanes' f (fa: lanes 0..7, fb: 8..15,
 // each f four times) into its lo and hi digit rows. |q * f| <= 32767: vpmullw is exact.
@@ -125,27 +168,54 @@ static void fold_group(const uint8_t *wb, const int16_t *f, int64_t g, int nibbl
     }
 }
 
-// Block wb's steps folded into the digit planes lo, hi (1024 bytes a step each): step s reads the
+// Block b of layer L as the AMX kernel reads it, built into the scratch (words, wsum, c, sc) where
+// the layer is read in place (prepare_block), else pointing into the derived layer.
+static AmxBlock amx_block(const Layer *L, int64_t b, uint8_t *words, int32_t *wsum, int32_t *c,
+                          int32_t *sc) {
+    if (L->packed) {  // read in place: built here, its rows' emin and flags written
+        prepare_block(L, b, words, wsum, c, sc);
+        return (AmxBlock){words, wsum, c, 16, L->bits == 4};
+    }
+    return (AmxBlock){L->w + b * L->K * (L->nibbles ? 8 : 16), L->wsum + b * 16, L->c + b * 16,
+                      L->Np, L->nibbles};
+}
+
+// Every block's spans (amx_block_spans) into f [Np/16][G][16], base [Np/16][G][16], ends
+// [Np/16][G] and rsum [Np]: amx_layout.amx_spans' shapes, for the suite to compare the two.
+// Returns 0, or -1 without memory.
+int64_t amx_layer_spans(const Layer *L, int64_t fold_limit, int16_t *f, int8_t *base,
+                        uint8_t *ends, int64_t *rsum) {
+    const int64_t K = L->K, G = K / 32;
+    uint8_t *words = aligned_alloc(64, K * 16 + 4 * G * 16 * 4);
+    if (!words) return -1;
+    int32_t *wsum = (int32_t *)(words + K * 16), *c = wsum + G * 16;
+    for (int64_t b = 0; b < L->Np / 16; b++) {
+        const AmxBlock blk = amx_block(L, b, words, wsum, c, c + G * 16);
+        amx_block_spans(&blk, G, fold_limit, f + b * G * 16, base + b * G * 16, ends + b * G,
+                        rsum + b * 16);
+    }
+    free(words);
+    return 0;
+}
+
+// The block's steps folded into the digit planes lo, hi (1024 bytes a step each): step s reads the
 // activations from k = AMX_STEP_K * from[s], and end[s] is the group whose span ends with it (-1:
 // none). Returns the number of steps (at most G).
-static int64_t fold_block(const AmxLayer *L, int64_t b, uint8_t *lo, uint8_t *hi, int32_t *from,
-                          int32_t *end) {
-    const int64_t G = L->K / 32;
-    const uint8_t *wb = L->w + b * L->K * (L->nibbles ? 8 : 16);
-    const int16_t *f = L->f + b * G * 16;
-    const uint8_t *ends = L->ends + b * G;
+static int64_t fold_block(const AmxBlock *blk, int64_t G, const int16_t *f, const uint8_t *ends,
+                          uint8_t *lo, uint8_t *hi, int32_t *from, int32_t *end) {
+    const uint8_t *wb = blk->w;
     int64_t s = 0;
     for (int64_t g = 0; g < G; g += 2, s++) {
         const int pair = g + 1 < G && !ends[g];  // both groups in one span: one step
-        fold_group(wb, f, g, L->nibbles, lo + s * 1024, hi + s * 1024);
-        fold_group(wb, f, pair ? g + 1 : -1, L->nibbles, lo + s * 1024 + 512,
+        fold_group(wb, f, g, blk->nibbles, lo + s * 1024, hi + s * 1024);
+        fold_group(wb, f, pair ? g + 1 : -1, blk->nibbles, lo + s * 1024 + 512,
                    hi + s * 1024 + 512);
         from[s] = (int32_t)(g / 2);
         end[s] = (int32_t)(pair ? (ends[g + 1] ? g + 1 : -1) : g);
         if (!pair && g + 1 < G) {  // the span ended with group g: g + 1 again, g zero
             s++;
-            fold_group(wb, f, -1, L->nibbles, lo + s * 1024, hi + s * 1024);
-            fold_group(wb, f, g + 1, L->nibbles, lo + s * 1024 + 512, hi + s * 1024 + 512);
+            fold_group(wb, f, -1, blk->nibbles, lo + s * 1024, hi + s * 1024);
+            fold_group(wb, f, g + 1, blk->nibbles, lo + s * 1024 + 512, hi + s * 1024 + 512);
             from[s] = (int32_t)(g / 2);
             end[s] = (int32_t)(ends[g + 1] ? g + 1 : -1);
         }
@@ -181,17 +251,16 @@ static void add_span(int32_t (*dots)[AMX_ROWS][16], const int8_t *base, int limb
 }
 
 // T for `rows` activation rows from row pointer a (limb i at a + i * plane, rows K bytes apart)
-// against block b's folded steps, rounded or stored by finish.
-static void amx_tile(const AmxLayer *L, int64_t b, const uint8_t *a, int64_t plane,
-                     const uint8_t *lo, const uint8_t *hi, const int32_t *from,
-                     const int32_t *end, int64_t steps, int limbs, int rows, Out o) {
+// against the block's folded steps (base and rsum: its spans'), rounded or stored by finish.
+static void amx_tile(int64_t K, int64_t b, const int8_t *base, const int64_t *rsum,
+                     const uint8_t *a, int64_t plane, const uint8_t *lo, const uint8_t *hi,
+                     const int32_t *from, const int32_t *end, int64_t steps, int limbs, int rows,
+                     int64_t Np, Out o) {
     int32_t dots[4][AMX_ROWS][16] __attribute__((aligned(64)));
     int64_t t[AMX_ROWS][16] __attribute__((aligned(64)));
-    const int64_t K = L->K, G = K / 32;
     // T starts at -B * R: B = 2**(8 L - 1), the limbs' bias
-    const __m512i r_even = _mm512_slli_epi64(_mm512_loadu_si512(L->rsum + b * 16), 8 * limbs - 1);
-    const __m512i r_odd = _mm512_slli_epi64(_mm512_loadu_si512(L->rsum + b * 16 + 8),
-                                            8 * limbs - 1);
+    const __m512i r_even = _mm512_slli_epi64(_mm512_loadu_si512(rsum), 8 * limbs - 1);
+    const __m512i r_odd = _mm512_slli_epi64(_mm512_loadu_si512(rsum + 8), 8 * limbs - 1);
     for (int m = 0; m < rows; m++) {
         _mm512_storeu_si512(t[m], _mm512_sub_epi64(_mm512_setzero_si512(), r_even));
         _mm512_storeu_si512(t[m] + 8, _mm512_sub_epi64(_mm512_setzero_si512(), r_odd));
@@ -222,33 +291,53 @@ static void amx_tile(const AmxLayer *L, int64_t b, const uint8_t *a, int64_t pla
             _tile_stored(2, dots[2], 64);
             _tile_stored(3, dots[3], 64);
         }
-        add_span(dots, L->base + (b * G + end[s - 1]) * 16, limbs, rows, t);
+        add_span(dots, base + end[s - 1] * 16, limbs, rows, t);
     }
     for (int m = 0; m < rows; m++) {
-        finish(o, m, b * 16, L->Np, _mm512_loadu_si512(t[m]), _mm512_loadu_si512(t[m] + 8));
+        finish(o, m, b * 16, Np, _mm512_loadu_si512(t[m]), _mm512_loadu_si512(t[m] + 8));
     }
 }
 
 // The bytes of the limb planes amx_tiles reads: L planes [M][K], then 64 bytes of slack.
 int64_t amx_plane_bytes(int64_t M, int64_t K, int limbs) { return limbs * M * K + 64; }
 
+// The bytes of a thread's scratch for a layer of K: its block read in place (words, wsum, c and
+// prepare_block's decoded scales), its spans (f, base, ends, rsum), its digit planes and steps.
+static int64_t amx_scratch_bytes(int64_t K) {
+    const int64_t G = K / 32;
+    return K * 16 + 4 * G * 16 * 4 + G * 16 * 3 + G + 16 * 8 + G * 2048 + G * 2 * 4 + 64 * 4;
+}
+
 // T [M, Np] into t, or (y not NULL) the rounded output y [M, N], from the `limbs` (1 or 2) biased
-// limb planes [L][M][K] (amx_plane_bytes long). Returns 0, or -1 where a thread could not allocate
-// its digit planes (nothing written then is to be read).
-int64_t amx_tiles(const AmxLayer *L, const uint8_t *limb_planes, int64_t M, int limbs,
-                  int64_t *t, void *y, const int64_t *e_r, int mant, int expo) {
+// limb planes [L][M][K] (amx_plane_bytes long), against a layer of either kind (cpu_vnni.c's
+// Layer): derived (w, wsum, c and emin given) or read in place (each block built by prepare_block
+// as its thread reaches it, its rows' emin and flags written to L). Where the layer's 4-bit words
+// are read in place, the limbs are in prepare_block's order (quantize_into's `order`). fold_limit:
+// dataflow.span_fold_limit of the weights' width. Returns 0, or -1 where a thread could not
+// allocate its scratch (nothing written then is to be read).
+int64_t amx_tiles(const Layer *L, const uint8_t *limb_planes, int64_t M, int limbs, int64_t *t,
+                  void *y, const int64_t *e_r, int mant, int expo, int64_t fold_limit) {
     const int64_t K = L->K, Np = L->Np, G = K / 32, plane = M * K;
     int64_t failed = 0;
 #pragma omp parallel reduction(+ : failed)
     {
-        uint8_t *lo = aligned_alloc(64, G * 2048), *hi = lo ? lo + G * 1024 : NULL;
-        int32_t *from = malloc(G * 2 * sizeof(int32_t)), *end = from ? from + G : NULL;
+        uint8_t *mem = aligned_alloc(64, (amx_scratch_bytes(K) + 63) / 64 * 64);
+        // 64-byte aligned pieces, largest first: lo, hi, the block's words, then the rest
+        uint8_t *lo = mem, *hi = mem + G * 1024, *words = mem + G * 2048;
+        int32_t *wsum = (int32_t *)(words + K * 16), *c = wsum + G * 16, *sc = c + G * 16;
+        int16_t *f = (int16_t *)(sc + 2 * G * 16);
+        int64_t *rsum = (int64_t *)(f + G * 16);
+        int32_t *from = (int32_t *)(rsum + 16), *end = from + G;
+        int8_t *base = (int8_t *)(end + G);
+        uint8_t *ends = (uint8_t *)(base + G * 16);
         int configured = 0;  // the rows the tiles are configured for (0: not yet)
-        if (!lo || !from) failed++;
+        if (!mem) failed++;
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < Np / 16; b++) {
-            if (!lo || !from) continue;
-            const int64_t steps = fold_block(L, b, lo, hi, from, end);
+            if (!mem) continue;
+            const AmxBlock blk = amx_block(L, b, words, wsum, c, sc);
+            amx_block_spans(&blk, G, fold_limit, f, base, ends, rsum);
+            const int64_t steps = fold_block(&blk, G, f, ends, lo, hi, from, end);
             for (int64_t r = 0; r < M; r += AMX_ROWS) {
                 const int rows = (int)(M - r < AMX_ROWS ? M - r : AMX_ROWS);
                 if (rows != configured) {
@@ -256,30 +345,30 @@ int64_t amx_tiles(const AmxLayer *L, const uint8_t *limb_planes, int64_t M, int 
                     configured = rows;
                 }
                 const Out o = tile_out(t, y, e_r, L->emin, r, L->N, L->N, Np, mant, expo);
-                amx_tile(L, b, limb_planes + r * K, plane, lo, hi, from, end, steps, limbs, rows,
-                         o);
+                amx_tile(K, b, base, rsum, limb_planes + r * K, plane, lo, hi, from, end, steps,
+                         limbs, rows, Np, o);
             }
         }
         if (configured) _tile_release();
-        free(lo);
-        free(from);
+        free(mem);
     }
     return failed ? -1 : 0;
 }
 
 // The whole forward in one call: x [M, K] (format 0 bf16, 1 fp16, 2 fp32, of mant_x and expo_x
-// bits) quantized into `limbs` biased limb planes, then amx_tiles, rounded once into y (mant,
-// expo). Returns how many rows of x hold a non-finite value (y unwritten then), or -1 when memory
-// could not be allocated.
-int64_t exact_linear_amx(const AmxLayer *L, const void *x, int format, int mant_x, int expo_x,
-                         int64_t qmax, int limbs, int64_t M, void *y, int mant, int expo) {
+// bits) quantized into `limbs` biased limb planes (in prepare_block's order against 4-bit words
+// read in place), then amx_tiles, rounded once into y (mant, expo). Returns how many rows of x
+// hold a non-finite value (y unwritten then), or -1 when memory could not be allocated.
+int64_t exact_linear_amx(const Layer *L, const void *x, int format, int mant_x, int expo_x,
+                         int64_t qmax, int limbs, int64_t M, void *y, int mant, int expo,
+                         int64_t fold_limit) {
     const int64_t K = L->K;
     uint8_t *planes = aligned_alloc(64, (amx_plane_bytes(M, K, limbs) + 63) / 64 * 64);
     int64_t *e_r = malloc(M * sizeof(int64_t));
     int64_t bad = planes && e_r ? row_exponents(x, mant_x, expo_x, qmax, M, K, e_r) : -1;
     if (bad == 0) {
-        quantize_limbs(x, format, M, K, e_r, planes, limbs);
-        bad = amx_tiles(L, planes, M, limbs, NULL, y, e_r, mant, expo);
+        quantize_into(x, format, M, K, e_r, planes, limbs, L->packed && L->bits == 4);
+        bad = amx_tiles(L, planes, M, limbs, NULL, y, e_r, mant, expo, fold_limit);
     }
     free(planes);
     free(e_r);

@@ -329,6 +329,83 @@ ALWAYS_INLINE void expand(const uint8_t *wb, const int16_t *f, int16_t *s, int64
     }
 }
 
+#define SPAN_SIZE_LIMIT 65538  // dataflow.span_size_limit(16): the most sum |f| * sum |q| a span
+#define SPAN_FOLD_LIMIT 4095   // dataflow.span_fold_limit(4): the most |f| against 4-bit weights
+
+// A block's span scales, built per block (the twin of vnni_layout.span_scales, checked against it
+// by the suite): from its 4-bit words wb (the nibble layout, 4 vectors of 16 lanes x 4 bytes a
+// group) and its factors c (row order, `stride` int32 from one group to the next), f [G][16] int16
+// in lane order, rsh [G][16] int8 = 32 - base in row order and ends [G] uint8; returns whether
+// the block is unshifted. sc: scratch of 2 G 16 int32 (each group's sum |q| and its larger chain's,
+// row order). The rules are span_scales': unshifted where every |c| <= SPAN_FOLD_LIMIT and
+// |c| * its larger chain's sum |q| <= SPAN_SIZE_LIMIT (f = c, every group its own span); else
+// spans taken greedily while, for every row, sum |c| * sum |q| and the largest |c|, over the
+// largest power of two dividing every c of the span, stay within the two limits.
+static int span_block_scales(const uint8_t *wb, const int32_t *c, int64_t stride, int64_t G,
+                             int16_t *f, int8_t *rsh, uint8_t *ends, int32_t *sc) {
+    const __m512i low4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
+    const __m512i even_bytes = _mm512_set1_epi16(1), odd_bytes = _mm512_set1_epi16(256);
+    const __m512i ones = _mm512_set1_epi16(1);
+    int32_t *q_sum = sc, *q_chain = sc + G * 16;
+    int32_t lanes_sum[16], lanes_chain[16];
+    int unshifted = 1;
+    for (int64_t g = 0; g < G; g++) {
+        __m512i sum = _mm512_setzero_si512();  // per byte: |q| of both nibbles, 4 vectors (<= 64)
+        for (int v = 0; v < 4; v++) {
+            const __m512i x = _mm512_loadu_si512(wb + (g * 4 + v) * 64);
+            sum = _mm512_add_epi8(sum, _mm512_add_epi8(
+                _mm512_abs_epi8(_mm512_sub_epi8(_mm512_and_si512(x, low4), eight)),
+                _mm512_abs_epi8(_mm512_sub_epi8(
+                    _mm512_and_si512(_mm512_srli_epi16(x, 4), low4), eight))));
+        }
+        // a lane's bytes 0, 2 (its k0, k2: one chain) and 1, 3 (k1, k3: the other)
+        const __m512i chain0 = _mm512_madd_epi16(_mm512_maddubs_epi16(sum, even_bytes), ones);
+        const __m512i chain1 = _mm512_madd_epi16(_mm512_maddubs_epi16(sum, odd_bytes), ones);
+        _mm512_storeu_si512(lanes_sum, _mm512_add_epi32(chain0, chain1));
+        _mm512_storeu_si512(lanes_chain, _mm512_max_epi32(chain0, chain1));
+        for (int l = 0; l < 16; l++) {
+            const int r = (l & 1) * 8 + l / 2;  // LANE_ROWS[l]
+            const int64_t a = c[g * stride + r] < 0 ? -(int64_t)c[g * stride + r]
+                                                    : c[g * stride + r];
+            q_sum[g * 16 + r] = lanes_sum[l];
+            q_chain[g * 16 + r] = lanes_chain[l];
+            unshifted &= a <= SPAN_FOLD_LIMIT && a * lanes_chain[l] <= SPAN_SIZE_LIMIT;
+        }
+    }
+    const int64_t never = (int64_t)1 << 40;  // "no nonzero factor yet": divides nothing
+    int64_t div[16], size[16], top[16];
+    for (int64_t g = 0; g < G; g++) {
+        int fits = g > 0 && !unshifted;
+        for (int r = 0; r < 16 && fits; r++) {
+            const int64_t v = c[g * stride + r], a = v < 0 ? -v : v, bit = v ? (v & -v) : never;
+            const int64_t d = bit < div[r] ? bit : div[r], t = a > top[r] ? a : top[r];
+            fits = (size[r] + a * q_sum[g * 16 + r]) / d <= SPAN_SIZE_LIMIT &&
+                   t / d <= SPAN_FOLD_LIMIT;
+        }
+        if (!fits && g > 0) ends[g - 1] = 1;
+        for (int r = 0; r < 16; r++) {
+            const int64_t v = c[g * stride + r], a = v < 0 ? -v : v, bit = v ? (v & -v) : never;
+            div[r] = fits && div[r] < bit ? div[r] : bit;  // the span's, or a new span's
+            size[r] = (fits ? size[r] : 0) + a * q_sum[g * 16 + r];
+            top[r] = fits && top[r] > a ? top[r] : a;
+            const int base = unshifted || div[r] == never ? 0 : __builtin_ctzll((uint64_t)div[r]);
+            rsh[g * 16 + r] = (int8_t)(32 - base);
+        }
+        ends[g] = 0;
+    }
+    ends[G - 1] = 1;
+    for (int64_t g = G - 2; g >= 0; g--) {  // each group takes its span's base: the span end's
+        if (!ends[g]) memcpy(rsh + g * 16, rsh + (g + 1) * 16, 16);
+    }
+    for (int64_t g = 0; g < G; g++) {
+        for (int l = 0; l < 16; l++) {
+            const int r = (l & 1) * 8 + l / 2;  // LANE_ROWS[l]
+            f[g * 16 + l] = (int16_t)(c[g * stride + r] >> (32 - rsh[g * 16 + r]));
+        }
+    }
+    return unshifted;
+}
+
 // d += the pairs of v times the two int16 at p, broadcast to every lane: vpdpwssd with the
 // broadcast embedded in its memory operand (GCC 12 loads it into a register of its own, one more
 // instruction per dot: 3% of the kernel's time, measured); avx512_emulated.h has its own, no asm
@@ -416,9 +493,8 @@ ALWAYS_INLINE void span_tile(const int16_t *const *a, const int16_t *s, const in
     p->rows = rows;
 }
 
-#define SPAN_TILE(R, S, UNSHIFTED)                                                        \
-    span_tile(a_rows, S, rsh + b * G * 16, ends + b * G, o, b * 16, K, Np, &pending, R, \
-              UNSHIFTED)
+#define SPAN_TILE(R, S, UNSHIFTED) \
+    span_tile(a_rows, S, rsh_b, ends_b, o, b * 16, K, Np, &pending, R, UNSHIFTED)
 
 // T [M, Np] into t, or (y not NULL) the rounded output y [M, N] (see Out); w in the nibble layout.
 void exact_linear_spans(const int16_t *a, const uint8_t *w, const int16_t *f, const int8_t *rsh,
@@ -433,6 +509,8 @@ void exact_linear_spans(const int16_t *a, const uint8_t *w, const int16_t *f, co
 #pragma omp for schedule(static) nowait
         for (int64_t b = 0; b < Np / 16; b++) {
             expand(w + b * K * 8, f + b * G * 16, scratch, K);
+            const int8_t *rsh_b = rsh + b * G * 16;
+            const uint8_t *ends_b = ends + b * G;
             for (int64_t r = 0; r < M; r += TILE_ROWS) {
                 const Out o = tile_out(t, y, e_r, emin, r, N, N, Np, mant, expo);
                 const int64_t rows = M - r < TILE_ROWS ? M - r : TILE_ROWS;
@@ -491,14 +569,18 @@ ALWAYS_INLINE __m256i scaled_integers(__m256 v, __m512d scale) {
 // qa = RNE(x * 2**-e_r[r]), stored into `out` by `mode`: 1, 2 or 4, that many limbs
 // [mode][M][K], dataflow.activation_limbs biased by +128, which are the bytes of
 // qa + 2**(8 mode - 1), lowest first; 0, qa itself as int16 [M][K], in each 4 k the order
-// 0, 2, 1, 3 (exact_linear_spans' pairs). With `order` (limbs only), each 8 k of a limb in the
-// order 0, 2, 4, 6, 1, 3, 5, 7: what the limb kernel reads against 4-bit words in place
-// (prepare_block). K is a multiple of 32.
+// 0, 2, 1, 3 (exact_linear_spans' pairs). With `order`, what the kernels read against 4-bit words
+// in place (prepare_block), whose nibbles hold each 8 k in the order 0, 2, 4, 6, 1, 3, 5, 7: each
+// 8 k of a limb in that order, and the words in that order's pairs: 0, 4, 2, 6, 1, 5, 3, 7. K is a
+// multiple of 32.
 static void quantize_into(const void *x, int format, int64_t M, int64_t K, const int64_t *e_r,
                           uint8_t *out, int mode, int order) {
     // 2**(8 mode - 1), added mod 2**32: at mode 4, qa + 2**31 as an unsigned pattern
     const __m512i bias = _mm512_set1_epi32((int32_t)(1u << (8 * (mode ? mode : 1) - 1)));
-    const __m512i pairs = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+    const __m512i pairs = order ? _mm512_setr_epi32(0, 4, 2, 6, 1, 5, 3, 7, 8, 12, 10, 14, 9, 13,
+                                                    11, 15)
+                                : _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14,
+                                                    13, 15);
     const __m512i nibble_order =
         _mm512_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15);
 #pragma omp parallel for schedule(static)
@@ -739,12 +821,19 @@ typedef struct {
     int64_t experts, parts;
 } Grouped;
 
+// Whether a layer goes through the span kernel where its expert asks: with its span scales derived
+// (NativeWeights.spans), or, read in place, with 4-bit words (its scales then built per block).
+static inline int takes_spans(const Layer *L, int asked) {
+    return asked && (L->packed ? L->bits == 4 : L->f != NULL);
+}
+
 // The accumulation of a grouped call: for each expert and part in turn, its blocks of 16 weight
 // rows shared among the threads (a static share, no barrier between experts), each block against
 // all the expert's rows. So a thread keeps an expert's activation rows in its caches across its
 // blocks, and every expert's work is split evenly, however unevenly the rows are routed. An
 // expert takes the span kernel where spans[e] asks and its layer holds span scales, else the
-// limb kernel (exact_grouped quantizes x for both where that can happen).
+// limb kernel (exact_grouped quantizes x for both where that can happen). A layer read in place
+// has its span scales built per block too (span_block_scales), into the thread's block.
 static void grouped_tiles(const Grouped *gr, const int16_t *words, const uint8_t *limb_planes,
                           int64_t plane, int limbs, const int64_t *e_rows, void *y, int mant,
                           int expo, uint8_t *blocks, int64_t block_bytes) {
@@ -754,40 +843,52 @@ static void grouped_tiles(const Grouped *gr, const int16_t *words, const uint8_t
 #pragma omp parallel
     {
         int16_t *scratch = words ? aligned_alloc(64, K * 16 * sizeof(int16_t)) : NULL;
-        // a block read in place: its words (at most a byte a weight), wsum, c and the decoded
-        // scales (prepare_block)
+        // a block read in place: its words (at most a byte a weight), wsum, c, the decoded
+        // scales (prepare_block), then its span scales (span_block_scales: f, rsh, ends)
         uint8_t *block = blocks ? blocks + omp_get_thread_num() * block_bytes : NULL;
         int32_t *block_wsum = block ? (int32_t *)(block + K * 16) : NULL;
         int32_t *block_c = block ? block_wsum + G * 16 : NULL;
+        int16_t *block_f = block ? (int16_t *)(block_c + 3 * G * 16) : NULL;
+        int8_t *block_rsh = block ? (int8_t *)(block_f + G * 16) : NULL;
+        uint8_t *block_ends = block ? (uint8_t *)(block_rsh + G * 16) : NULL;
         Pending pending = {.rows = 0};
         for (int64_t e = 0; e < gr->experts; e++) {
             const int64_t start = gr->offsets[e], end = gr->offsets[e + 1];
             for (int64_t p = 0; p < gr->parts; p++) {
                 const Layer *L = gr->layers[e * gr->parts + p];
-                const int spans = gr->spans[e] && L->f && scratch;
+                const int spans = takes_spans(L, gr->spans[e]) && scratch;
                 char *y_part = (char *)y + p * N * bytes;
 #pragma omp for schedule(static) nowait
                 for (int64_t b = 0; b < Np / 16; b++) {
                     const uint8_t *wb = L->w + b * K * (L->nibbles ? 8 : 16);
                     const int32_t *wsum_b = L->wsum + b * 16, *c_b = L->c + b * 16;
                     int64_t ws = Np;
-                    int nibbles = L->nibbles;
+                    int nibbles = L->nibbles, unshifted = 0;
+                    const int8_t *rsh_b = NULL;
+                    const uint8_t *ends_b = NULL;
                     if (L->packed) {
                         prepare_block(L, b, block, block_wsum, block_c, block_c + G * 16);
                         wb = block, wsum_b = block_wsum, c_b = block_c, ws = 16;
                         nibbles = L->bits == 4;
                     }
-                    if (spans) expand(L->w + b * K * 8, L->f + b * G * 16, scratch, K);
+                    if (spans && L->packed) {
+                        unshifted = span_block_scales(block, block_c, 16, G, block_f, block_rsh,
+                                                      block_ends, block_c + G * 16);
+                        expand(block, block_f, scratch, K);
+                        rsh_b = block_rsh, ends_b = block_ends;
+                    } else if (spans) {
+                        expand(L->w + b * K * 8, L->f + b * G * 16, scratch, K);
+                        rsh_b = L->rsh + b * G * 16, ends_b = L->ends + b * G;
+                        unshifted = L->unshifted[b];
+                    }
                     for (int64_t r = start; r < end; r += TILE_ROWS) {
                         const int64_t rows = end - r < TILE_ROWS ? end - r : TILE_ROWS;
 #define ROW(i) (gr->source ? gr->source[r + (i < rows ? i : 0)] : r + (i < rows ? i : 0))
                         const Out o = tile_out(NULL, y_part, e_rows, L->emin, r, N, ld, Np, mant,
                                                expo);
                         if (spans) {
-                            const int8_t *rsh = L->rsh;
-                            const uint8_t *ends = L->ends;
                             ROW_POINTERS(const int16_t *, a_rows, words, ROW(i));
-                            if (L->unshifted[b]) BY_ROWS(rows, SPAN_TILE, scratch, 1)
+                            if (unshifted) BY_ROWS(rows, SPAN_TILE, scratch, 1)
                             else BY_ROWS(rows, SPAN_TILE, scratch, 0)
                         } else {
                             ROW_POINTERS(const uint8_t *, a_rows, limb_planes, ROW(i));
@@ -824,14 +925,16 @@ int64_t exact_grouped(const Grouped *gr, const void *x, int format, int mant_x, 
         any_spans |= gr->spans[e];
         for (int64_t p = 0; p < gr->parts; p++) {
             const Layer *layer = gr->layers[e * gr->parts + p];
-            any_limbs |= !gr->spans[e] || !layer->f;
+            any_limbs |= !takes_spans(layer, gr->spans[e]);
             // one kind of layer a call: the activations' order follows it
             if (!layer->packed != !first->packed || (layer->packed && layer->bits != first->bits))
                 return -2;
         }
     }
-    // a block of each thread's, for the layers read in place (prepare_block)
-    const int64_t G = K / 32, block_bytes = K * 16 + 4 * G * 16 * (int64_t)sizeof(int32_t);
+    // a block of each thread's, for the layers read in place (prepare_block, span_block_scales)
+    const int64_t G = K / 32;
+    const int64_t block_bytes = (K * 16 + 4 * G * 16 * (int64_t)sizeof(int32_t) + G * 16 * 3 + G +
+                                 63) / 64 * 64;
     uint8_t *blocks = first->packed ? aligned_alloc(64, block_bytes * omp_get_max_threads())
                                     : NULL;
     if (first->packed && !blocks) return -1;
@@ -846,7 +949,10 @@ int64_t exact_grouped(const Grouped *gr, const void *x, int format, int mant_x, 
     int64_t *e_r = malloc(M * sizeof(int64_t)), *e_rows = malloc(rows * sizeof(int64_t));
     int64_t bad = e_r && e_rows && block ? row_exponents(x, mant_x, expo_x, qmax, M, K, e_r) : -1;
     if (bad == 0) {
-        if (words) quantize_limbs(x, format, M, K, e_r, (uint8_t *)words, 0);
+        if (words) {
+            quantize_into(x, format, M, K, e_r, (uint8_t *)words, 0,
+                          first->packed && first->bits == 4);
+        }
         if (planes) {
             quantize_into(x, format, M, K, e_r, planes, limbs,
                           first->packed && first->bits == 4);
@@ -860,4 +966,29 @@ int64_t exact_grouped(const Grouped *gr, const void *x, int format, int mant_x, 
     free(e_rows);
     if (own) free(block);
     return bad;
+}
+
+// Every block's span scales (span_block_scales) of a layer with 4-bit words, derived (its
+// NativeWeights' words and factors) or read in place (prepare_block), into f [Np/16][G][16],
+// rsh [Np/16][G][16], ends [Np/16][G] and unshifted [Np/16]: vnni_layout.span_scales' shapes, for
+// the suite to compare the two. Returns 0, or -1 without memory.
+int64_t span_layer_scales(const Layer *L, int16_t *f, int8_t *rsh, uint8_t *ends,
+                          uint8_t *unshifted) {
+    const int64_t K = L->K, G = K / 32;
+    uint8_t *words = aligned_alloc(64, K * 16 + 4 * G * 16 * 4);
+    if (!words) return -1;
+    int32_t *wsum = (int32_t *)(words + K * 16), *c = wsum + G * 16;
+    for (int64_t b = 0; b < L->Np / 16; b++) {
+        const uint8_t *wb = L->w + b * K * 8;
+        const int32_t *c_b = L->c + b * 16;
+        int64_t stride = L->Np;
+        if (L->packed) {
+            prepare_block(L, b, words, wsum, c, c + G * 16);
+            wb = words, c_b = c, stride = 16;
+        }
+        unshifted[b] = (uint8_t)span_block_scales(wb, c_b, stride, G, f + b * G * 16,
+                                                  rsh + b * G * 16, ends + b * G, c + G * 16);
+    }
+    free(words);
+    return 0;
 }
