@@ -39,6 +39,8 @@ from .targets import (
     QUANTIZE_SLICES,
     SELF_CHECK,
     SLOW_ROWS,
+    SPANS,
+    SPANS_VECTORS,
     TIE,
     TRITON,
     TRITON_VECTORS,
@@ -326,9 +328,16 @@ CATALOGUE = (
            "a block's scales read for the wrong rows: neighbouring rows take each other's "
            "scales", (CPU, CPU_VECTORS)),
     Mutant("in-place-activations-in-natural-order", C_KERNEL,
-           "first->packed && first->bits == 4);", "0);",
+           "planes, limbs,\n                          first->packed && first->bits == 4);",
+           "planes, limbs, 0);",
            "4-bit words read in place against activations in natural order: each nibble's "
            "product taken with its neighbour's activation", (CPU, CPU_VECTORS)),
+    Mutant("in-place-words-in-natural-order", C_KERNEL,
+           "(uint8_t *)words, 0,\n                          first->packed && first->bits == 4);",
+           "(uint8_t *)words, 0, 0);",
+           "the span kernel's int16 words in natural order against 4-bit words read in place, "
+           "whose nibbles hold each 8 k in the order 0, 2, 4, 6, 1, 3, 5, 7",
+           (SPANS, SPANS_VECTORS)),
     Mutant("in-place-weight-sums-unbiased", C_KERNEL,
            "_mm512_set1_epi32(nibbles ? 8 * 32 : 128 * 32)",
            "_mm512_set1_epi32(nibbles ? 0 : 128 * 32)",

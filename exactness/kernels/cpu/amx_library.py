@@ -20,6 +20,9 @@ from . import CSRC, vnni_library
 SOURCE = CSRC / "cpu_amx.c"
 EMULATION = CSRC / "amx_emulated.h"
 FLAGS = ("-mamx-tile", "-mamx-int8")
+# the emulated tiles' build: at -O2, GCC spends about 90 s on amx_tile with the rounding inlined
+# over SIMDe's emulated vectors, at -O1 about 10 s (measured, issue 53); it is for verification
+EMULATED_FLAGS = ("-O1",)
 MODES = {"1": "the AMX instructions", "0": "off", "emulate": "emulated AMX tiles"}
 NEEDS = ("amx_tile", "amx_int8")
 CHECK = f"{__package__}.amx_check:check_file"  # the self-check first_run's child calls
@@ -46,7 +49,8 @@ def build(amx_source: str | None = None) -> tuple[ctypes.CDLL | None, Fit]:
     """The library compiled (emulated tiles where EXACTNESS_AMX=emulate) and its entry points'
     signatures set, never yet run; or None and why not."""
     emulated = mode() == "emulate"
-    lib, why = vnni_library.build(source(emulated, amx_source), () if emulated else FLAGS)
+    lib, why = vnni_library.build(source(emulated, amx_source),
+                                  EMULATED_FLAGS if emulated else FLAGS)
     return (bind(lib), why) if lib is not None else (None, why)
 
 
