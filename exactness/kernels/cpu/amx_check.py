@@ -8,14 +8,15 @@ from pathlib import Path
 
 import torch
 
-from ...contract import BFLOAT16, FORMATS, act_qmax, float_format
-from ...formats import bits_to_tensor, float_bits, pack_weights, round_scaled_array, torch_dtype
+from ...contract import FORMATS, act_qmax, float_format
+from ...formats import bits_to_tensor, float_bits, round_scaled_array, torch_dtype
 from ..certificate import certify
 from ..registry import Fit, Weights, no, yes
 from . import amx_library, vnni_library
 from .amx_calls import accumulate, linear, spans
 from .amx_layout import AmxInPlace, amx_spans
 from .vnni_calls import quantize
+from .vnni_check import checkpoint_layer
 from .vnni_layout import NativeWeights, biased_limbs
 
 
@@ -99,20 +100,10 @@ def read_in_place(lib, g: torch.Generator) -> Fit:
     """The layers read in place (prepare_block, then the spans and digits built per block in C)
     against the derived layout of the same weights (NativeWeights of the unpacked words and the
     certificate's factors), and both layers' spans against amx_layout.amx_spans, their Python
-    twin: 4- and 8-bit words, a partial last block, one group a row, zero, subnormal, non-finite
-    and far-apart scales (slow rows)."""
+    twin: 4- and 8-bit words, a partial last block, one group a row, and the scales of
+    vnni_check.checkpoint_layer."""
     for bits, k, n in ((4, 256, 37), (8, 96, 21), (4, 32, 5)):
-        least = -(1 << (bits - 1))
-        q = torch.randint(least, -least, (n, k), generator=g)
-        q[0] = least
-        scale_bits = torch.randint(0, 1 << 16, (n, k // 32), generator=g)  # row 0: anywhere
-        scale_bits[1:] = (scale_bits[1:] & 0x807F) | (torch.randint(
-            118, 131, scale_bits[1:].shape, generator=g) << 7)  # spreads up to 12: fast rows
-        scale_bits[2] = 0
-        scale_bits[3, 0] = 0x7F80  # +inf
-        scale_bits[4] &= 0x807F  # subnormal
-        packed = torch.from_numpy(pack_weights(q.numpy(), bits))
-        scale = bits_to_tensor(scale_bits, BFLOAT16)
+        q, packed, scale = checkpoint_layer(bits, k, n, g)
         for act_bits in (8, 16):
             weights = Weights(packed, scale, n, k, bits, act_bits)
             cert = certify(scale, k, bits, act_bits)

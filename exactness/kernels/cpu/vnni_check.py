@@ -146,18 +146,7 @@ def self_check(lib) -> Fit:
     # 8-bit words, a partial last block, one group a row (K = 32), zero, subnormal, non-finite
     # and far-apart scales (slow rows)
     for bits, k, n in ((4, 256, 37), (8, 64, 21), (4, 32, 5), (8, 32, 16)):
-        least = -(1 << (bits - 1))
-        q = torch.randint(least, -least, (n, k), generator=g)
-        q[0] = least
-        scale_bits = torch.randint(0, 1 << 16, (n, k // 32), generator=g)  # row 0: anywhere
-        scale_bits[1:] = (scale_bits[1:] & 0x807F) | (torch.randint(
-            118, 131, scale_bits[1:].shape, generator=g) << 7)  # spreads up to 12: fast rows
-        scale_bits[2] = 0
-        scale_bits[3, 0] = 0x7F80  # +inf
-        scale_bits[4] &= 0x807F  # subnormal
-        scale_bits[n - 1, -1] = 0xFFC1  # a NaN, in the buffer's last element
-        packed, scale = torch.from_numpy(pack_weights(q.numpy(), bits)), bits_to_tensor(
-            scale_bits, BFLOAT16)
+        q, packed, scale = checkpoint_layer(bits, k, n, g)
         for act_bits in (8, 16, 32):
             weights = Weights(packed, scale, n, k, bits, act_bits)
             cert = certify(scale, k, bits, act_bits)
@@ -218,3 +207,22 @@ def self_check(lib) -> Fit:
             return no(f"its self-check failed on round_rows to {fmt.name} (ties, subnormals, "
                       f"overflow)")
     return yes("AVX-512 VNNI, self-checked")
+
+
+def checkpoint_layer(bits: int, k: int, n: int, g: torch.Generator):
+    """(q, weight_packed, weight_scale) of a layer as a checkpoint holds it, for the self-checks
+    of the layers read in place: weights at their extremes; scales anywhere in row 0, of spreads
+    up to 12 elsewhere (fast rows), a zero row, an infinite, a subnormal row and a NaN in the
+    buffer's last element."""
+    least = -(1 << (bits - 1))
+    q = torch.randint(least, -least, (n, k), generator=g)
+    q[0] = least
+    scale_bits = torch.randint(0, 1 << 16, (n, k // 32), generator=g)  # row 0: anywhere
+    scale_bits[1:] = (scale_bits[1:] & 0x807F) | (torch.randint(
+        118, 131, scale_bits[1:].shape, generator=g) << 7)  # spreads up to 12: fast rows
+    scale_bits[2] = 0
+    scale_bits[3, 0] = 0x7F80  # +inf
+    scale_bits[4] &= 0x807F  # subnormal
+    scale_bits[n - 1, -1] = 0xFFC1  # a NaN, in the buffer's last element
+    packed = torch.from_numpy(pack_weights(q.numpy(), bits))
+    return q, packed, bits_to_tensor(scale_bits, BFLOAT16)
