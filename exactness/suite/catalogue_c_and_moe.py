@@ -145,7 +145,7 @@ C_AND_MOE = (
            "spans longer than AMX_SPAN_GROUPS groups: past the proved bound, an int32 tile sum "
            "could wrap", (AMX_SPANS_TWIN,)),
     Mutant("amx-span-base-not-spread", AMX_KERNEL,
-           "if (!ends[g]) memcpy(base + g * 16, base + (g + 1) * 16, 16);", "(void)0;",
+           "at_span_ends(base, ends, G);", "(void)0;",
            "each group folded by the base of its span so far, not of the whole span: a factor "
            "shifted by more than the span's base loses bits", (AMX_SPANS_TWIN, AMX)),
     Mutant("amx-in-place-order-lost", AMX_KERNEL, "L->packed && L->bits == 4);", "0);",

@@ -10,17 +10,12 @@ import torch
 
 from ... import dataflow
 from ...contract import GROUP_SIZE
-from ..registry import Weights
 from .vnni_layout import LANE_ROWS, InPlace, NativeWeights, at_span_ends
 
 
 class AmxInPlace(InPlace):
     """A layer read in place by the AMX kernel (InPlace), whose scratch is larger: besides the
     block, its spans and its two digit planes."""
-
-    def __init__(self, weights: Weights):
-        super().__init__(weights)
-        self.w_bits = weights.bits
 
     @property
     def nbytes(self) -> int:
@@ -31,12 +26,10 @@ class AmxInPlace(InPlace):
         return self.emin.numel() * 8 + self.flags.numel() + scratch * torch.get_num_threads()
 
 
-def fold_limit(weights: NativeWeights | AmxInPlace) -> int:
+def fold_limit(weights: NativeWeights | InPlace) -> int:
     """dataflow.span_fold_limit of the weights' width as the kernel reads them: 4-bit pairs
     (derived, where every weight fits) or the checkpoint's own width (in place)."""
-    if isinstance(weights, NativeWeights):
-        return dataflow.span_fold_limit(4 if weights.nibbles else 8)
-    return dataflow.span_fold_limit(weights.w_bits)
+    return dataflow.span_fold_limit(weights.bits)
 
 
 def amx_spans(weights: NativeWeights) -> tuple[torch.Tensor, ...]:

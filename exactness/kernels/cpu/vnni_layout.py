@@ -41,7 +41,7 @@ class InPlace:
 
     def __init__(self, weights: Weights):
         self.packed, self.scale = weights.packed, weights.scale  # the call reads these in place
-        self.n, self.k = weights.n, weights.k
+        self.n, self.k, self.bits = weights.n, weights.k, weights.bits
         self.np = -(-self.n // 16) * 16
         self.emin = torch.zeros(self.np, dtype=torch.int64)
         self.flags = torch.zeros(self.np, dtype=torch.uint8)
@@ -109,6 +109,11 @@ class NativeWeights:
     def nbytes(self) -> int:
         built = (*self.__dict__.get("spans", ()), *self._emin[1:])  # counted once built
         return sum(t.numel() * t.element_size() for t in (self.w, self.wsum, self.c, *built))
+
+    @property
+    def bits(self) -> int:
+        """The width of the weights as its words hold them: 4 (nibbles) or 8."""
+        return 4 if self.nibbles else 8
 
     _emin: tuple = ()  # (the certificate's emin, padded to np): what self._layer points to
     _layer: Layer | None = None

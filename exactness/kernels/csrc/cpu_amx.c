@@ -73,17 +73,6 @@ static void configure_tiles(int rows) {
     LDTILECFG(cfg);
 }
 
-// One block of 16 weight rows as the AMX kernel reads it: the weights w in cpu_vnni.c's block
-// layout (4-bit pairs where `nibbles`), the weight sums wsum [G] of 16 int32 in lane order and the
-// factors c [G] of 16 int32 in row order, `stride` int32 from one group to the next (Np for a
-// derived layer, 16 for a block read in place by prepare_block).
-typedef struct {
-    const uint8_t *w;
-    const int32_t *wsum, *c;
-    int64_t stride;
-    int nibbles;
-} AmxBlock;
-
 // The block's spans (the twin of amx_layout.amx_spans, checked against it by the suite): groups are
 // taken into a span greedily while, for every row, the largest |c| of the span over the largest
 // power of two dividing all its c (2**base) is at most fold_limit (then every q * (c >> base) is
@@ -91,7 +80,7 @@ typedef struct {
 // alone always fits: c >> its low bit is |ms| <= 255. Out: f [G][16] int16 in lane order
 // (c >> its span's base), base [G][16] int8 in row order (each group's span's), ends [G] uint8
 // (1 where a span ends) and rsum [16] int64 R = sum_k q * c in row order.
-static void amx_block_spans(const AmxBlock *blk, int64_t G, int64_t fold_limit, int16_t *f,
+static void amx_block_spans(const Block *blk, int64_t G, int64_t fold_limit, int16_t *f,
                             int8_t *base, uint8_t *ends, int64_t *rsum) {
     const int64_t never = (int64_t)1 << 40;  // "no nonzero factor yet": divides nothing
     int64_t low[16], top[16], length = 0;
@@ -114,14 +103,12 @@ static void amx_block_spans(const AmxBlock *blk, int64_t G, int64_t fold_limit, 
         length = fits ? length + 1 : 1;
     }
     ends[G - 1] = 1;
-    for (int64_t g = G - 2; g >= 0; g--) {  // each group takes its span's base: the span end's
-        if (!ends[g]) memcpy(base + g * 16, base + (g + 1) * 16, 16);
-    }
+    at_span_ends(base, ends, G);  // each group takes its span's base: the span end's
     for (int r = 0; r < 16; r++) rsum[r] = 0;
     for (int64_t g = 0; g < G; g++) {
         const int32_t *c = blk->c + g * blk->stride, *ws = blk->wsum + g * blk->stride;
         for (int l = 0; l < 16; l++) {
-            const int r = (l & 1) * 8 + l / 2;  // LANE_ROWS[l]
+            const int r = LANE_ROW(l);
             f[g * 16 + l] = (int16_t)(c[r] >> base[g * 16 + r]);
             rsum[r] += (int64_t)ws[l] * c[r];
         }
@@ -168,18 +155,6 @@ static void fold_group(const uint8_t *wb, const int16_t *f, int64_t g, int nibbl
     }
 }
 
-// Block b of layer L as the AMX kernel reads it, built into the scratch (words, wsum, c, sc) where
-// the layer is read in place (prepare_block), else pointing into the derived layer.
-static AmxBlock amx_block(const Layer *L, int64_t b, uint8_t *words, int32_t *wsum, int32_t *c,
-                          int32_t *sc) {
-    if (L->packed) {  // read in place: built here, its rows' emin and flags written
-        prepare_block(L, b, words, wsum, c, sc);
-        return (AmxBlock){words, wsum, c, 16, L->bits == 4};
-    }
-    return (AmxBlock){L->w + b * L->K * (L->nibbles ? 8 : 16), L->wsum + b * 16, L->c + b * 16,
-                      L->Np, L->nibbles};
-}
-
 // Every block's spans (amx_block_spans) into f [Np/16][G][16], base [Np/16][G][16], ends
 // [Np/16][G] and rsum [Np]: amx_layout.amx_spans' shapes, for the suite to compare the two.
 // Returns 0, or -1 without memory.
@@ -190,7 +165,7 @@ int64_t amx_layer_spans(const Layer *L, int64_t fold_limit, int16_t *f, int8_t *
     if (!words) return -1;
     int32_t *wsum = (int32_t *)(words + K * 16), *c = wsum + G * 16;
     for (int64_t b = 0; b < L->Np / 16; b++) {
-        const AmxBlock blk = amx_block(L, b, words, wsum, c, c + G * 16);
+        const Block blk = block_of(L, b, words, wsum, c, c + G * 16);
         amx_block_spans(&blk, G, fold_limit, f + b * G * 16, base + b * G * 16, ends + b * G,
                         rsum + b * 16);
     }
@@ -201,7 +176,7 @@ int64_t amx_layer_spans(const Layer *L, int64_t fold_limit, int16_t *f, int8_t *
 // The block's steps folded into the digit planes lo, hi (1024 bytes a step each): step s reads the
 // activations from k = AMX_STEP_K * from[s], and end[s] is the group whose span ends with it (-1:
 // none). Returns the number of steps (at most G).
-static int64_t fold_block(const AmxBlock *blk, int64_t G, const int16_t *f, const uint8_t *ends,
+static int64_t fold_block(const Block *blk, int64_t G, const int16_t *f, const uint8_t *ends,
                           uint8_t *lo, uint8_t *hi, int32_t *from, int32_t *end) {
     const uint8_t *wb = blk->w;
     int64_t s = 0;
@@ -335,7 +310,7 @@ int64_t amx_tiles(const Layer *L, const uint8_t *limb_planes, int64_t M, int lim
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < Np / 16; b++) {
             if (!mem) continue;
-            const AmxBlock blk = amx_block(L, b, words, wsum, c, sc);
+            const Block blk = block_of(L, b, words, wsum, c, sc);
             amx_block_spans(&blk, G, fold_limit, f, base, ends, rsum);
             const int64_t steps = fold_block(&blk, G, f, ends, lo, hi, from, end);
             for (int64_t r = 0; r < M; r += AMX_ROWS) {

@@ -38,6 +38,7 @@
 // activation rows per weight load, in both kernels: 2 x 4 dot and 2 x 4 int64 registers
 // (BY_ROWS lists the tails 1..3: change both together)
 #define TILE_ROWS 4
+#define LANE_ROW(l) (((l) & 1) * 8 + (l) / 2)  // the weight row in lane l of a block (LANE_ROWS)
 // CALL(R, ...) for the `rows` (1..TILE_ROWS) activation rows of a tile, R a compile-time constant
 // for i in 0 .. rows - 1, unrolled whole: GCC otherwise keeps per-row arrays of sums on the stack
 #define FOR_ROWS(i) _Pragma("GCC unroll 8") for (int i = 0; i < rows; i++)
@@ -329,6 +330,14 @@ ALWAYS_INLINE void expand(const uint8_t *wb, const int16_t *f, int16_t *s, int64
     }
 }
 
+// Each group's 16 values v [G][16] set to its span's: those at the span's end (ends [G], 1 where a
+// span ends; the last group always does). The span builders' twin of vnni_layout.at_span_ends.
+static void at_span_ends(int8_t *v, const uint8_t *ends, int64_t G) {
+    for (int64_t g = G - 2; g >= 0; g--) {
+        if (!ends[g]) memcpy(v + g * 16, v + (g + 1) * 16, 16);
+    }
+}
+
 #define SPAN_SIZE_LIMIT 65538  // dataflow.span_size_limit(16): the most sum |f| * sum |q| a span
 #define SPAN_FOLD_LIMIT 4095   // dataflow.span_fold_limit(4): the most |f| against 4-bit weights
 
@@ -336,8 +345,7 @@ ALWAYS_INLINE void expand(const uint8_t *wb, const int16_t *f, int16_t *s, int64
 // by the suite): from its 4-bit words wb (the nibble layout, 4 vectors of 16 lanes x 4 bytes a
 // group) and its factors c (row order, `stride` int32 from one group to the next), f [G][16] int16
 // in lane order, rsh [G][16] int8 = 32 - base in row order and ends [G] uint8; returns whether
-// the block is unshifted. sc: scratch of 2 G 16 int32 (each group's sum |q| and its larger chain's,
-// row order). The rules are span_scales': unshifted where every |c| <= SPAN_FOLD_LIMIT and
+// the block is unshifted. sc: scratch of G 16 int32 (each group's sum |q|, row order). The rules are span_scales': unshifted where every |c| <= SPAN_FOLD_LIMIT and
 // |c| * its larger chain's sum |q| <= SPAN_SIZE_LIMIT (f = c, every group its own span); else
 // spans taken greedily while, for every row, sum |c| * sum |q| and the largest |c|, over the
 // largest power of two dividing every c of the span, stay within the two limits.
@@ -346,7 +354,7 @@ static int span_block_scales(const uint8_t *wb, const int32_t *c, int64_t stride
     const __m512i low4 = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
     const __m512i even_bytes = _mm512_set1_epi16(1), odd_bytes = _mm512_set1_epi16(256);
     const __m512i ones = _mm512_set1_epi16(1);
-    int32_t *q_sum = sc, *q_chain = sc + G * 16;
+    int32_t *q_sum = sc;
     int32_t lanes_sum[16], lanes_chain[16];
     int unshifted = 1;
     for (int64_t g = 0; g < G; g++) {
@@ -364,11 +372,10 @@ static int span_block_scales(const uint8_t *wb, const int32_t *c, int64_t stride
         _mm512_storeu_si512(lanes_sum, _mm512_add_epi32(chain0, chain1));
         _mm512_storeu_si512(lanes_chain, _mm512_max_epi32(chain0, chain1));
         for (int l = 0; l < 16; l++) {
-            const int r = (l & 1) * 8 + l / 2;  // LANE_ROWS[l]
+            const int r = LANE_ROW(l);
             const int64_t a = c[g * stride + r] < 0 ? -(int64_t)c[g * stride + r]
                                                     : c[g * stride + r];
             q_sum[g * 16 + r] = lanes_sum[l];
-            q_chain[g * 16 + r] = lanes_chain[l];
             unshifted &= a <= SPAN_FOLD_LIMIT && a * lanes_chain[l] <= SPAN_SIZE_LIMIT;
         }
     }
@@ -394,12 +401,10 @@ static int span_block_scales(const uint8_t *wb, const int32_t *c, int64_t stride
         ends[g] = 0;
     }
     ends[G - 1] = 1;
-    for (int64_t g = G - 2; g >= 0; g--) {  // each group takes its span's base: the span end's
-        if (!ends[g]) memcpy(rsh + g * 16, rsh + (g + 1) * 16, 16);
-    }
+    at_span_ends(rsh, ends, G);  // each group takes its span's base: the span end's
     for (int64_t g = 0; g < G; g++) {
         for (int l = 0; l < 16; l++) {
-            const int r = (l & 1) * 8 + l / 2;  // LANE_ROWS[l]
+            const int r = LANE_ROW(l);
             f[g * 16 + l] = (int16_t)(c[g * stride + r] >> (32 - rsh[g * 16 + r]));
         }
     }
@@ -710,7 +715,7 @@ static void prepare_block(const Layer *L, int64_t b, uint8_t *w, int32_t *wsum, 
         const int64_t count = words - j0 < 16 ? words - j0 : 16;  // a multiple of per_group
         const __mmask16 some = (__mmask16)((1u << count) - 1);
         for (int l = 0; l < 16; l++) {
-            const int row = (l & 1) * 8 + l / 2;  // LANE_ROWS[l]
+            const int row = LANE_ROW(l);
             const int32_t *at = L->packed + (b * 16 + row) * words + j0;
             // 16 rows are 16 streams, more than the hardware prefetchers follow: ask for each
             // row's words ahead (past the row's end, the next block's row's), and its scales
@@ -807,6 +812,29 @@ static void prepare_block(const Layer *L, int64_t b, uint8_t *w, int32_t *wsum, 
                         _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(emin, 1)));
 }
 
+// One block of 16 weight rows as a kernel reads it: the weights w in the block layout (4-bit pairs
+// where `nibbles`), the weight sums wsum [G] of 16 int32 in lane order and the factors c [G] of 16
+// int32 in row order, `stride` int32 from one group to the next (Np for a derived layer, 16 for a
+// block read in place).
+typedef struct {
+    const uint8_t *w;
+    const int32_t *wsum, *c;
+    int64_t stride;
+    int nibbles;
+} Block;
+
+// Block b of layer L: built into the scratch (words, wsum, c; sc, prepare_block's) where the layer
+// is read in place, its rows' emin and flags written; else pointing into the derived layer.
+ALWAYS_INLINE Block block_of(const Layer *L, int64_t b, uint8_t *words, int32_t *wsum, int32_t *c,
+                             int32_t *sc) {
+    if (L->packed) {
+        prepare_block(L, b, words, wsum, c, sc);
+        return (Block){words, wsum, c, 16, L->bits == 4};
+    }
+    return (Block){L->w + b * L->K * (L->nibbles ? 8 : 16), L->wsum + b * 16, L->c + b * 16,
+                   L->Np, L->nibbles};
+}
+
 // One grouped call (exact_grouped): the rows routed to each of `experts` experts, each expert's
 // rows against its `parts` layers (gate and up: 2; down: 1), which share K and N. The routed rows
 // are numbered in expert order: expert e's are offsets[e] .. offsets[e + 1], and routed row r reads
@@ -860,21 +888,19 @@ static void grouped_tiles(const Grouped *gr, const int16_t *words, const uint8_t
                 char *y_part = (char *)y + p * N * bytes;
 #pragma omp for schedule(static) nowait
                 for (int64_t b = 0; b < Np / 16; b++) {
-                    const uint8_t *wb = L->w + b * K * (L->nibbles ? 8 : 16);
-                    const int32_t *wsum_b = L->wsum + b * 16, *c_b = L->c + b * 16;
-                    int64_t ws = Np;
-                    int nibbles = L->nibbles, unshifted = 0;
+                    const Block blk = block_of(L, b, block, block_wsum, block_c,
+                                               block_c + G * 16);
+                    const uint8_t *wb = blk.w;
+                    const int32_t *wsum_b = blk.wsum, *c_b = blk.c;
+                    const int64_t ws = blk.stride;
+                    const int nibbles = blk.nibbles;
+                    int unshifted = 0;
                     const int8_t *rsh_b = NULL;
                     const uint8_t *ends_b = NULL;
-                    if (L->packed) {
-                        prepare_block(L, b, block, block_wsum, block_c, block_c + G * 16);
-                        wb = block, wsum_b = block_wsum, c_b = block_c, ws = 16;
-                        nibbles = L->bits == 4;
-                    }
                     if (spans && L->packed) {
-                        unshifted = span_block_scales(block, block_c, 16, G, block_f, block_rsh,
-                                                      block_ends, block_c + G * 16);
-                        expand(block, block_f, scratch, K);
+                        unshifted = span_block_scales(blk.w, blk.c, blk.stride, G, block_f,
+                                                      block_rsh, block_ends, block_c + G * 16);
+                        expand(blk.w, block_f, scratch, K);
                         rsh_b = block_rsh, ends_b = block_ends;
                     } else if (spans) {
                         expand(L->w + b * K * 8, L->f + b * G * 16, scratch, K);
@@ -979,14 +1005,8 @@ int64_t span_layer_scales(const Layer *L, int16_t *f, int8_t *rsh, uint8_t *ends
     if (!words) return -1;
     int32_t *wsum = (int32_t *)(words + K * 16), *c = wsum + G * 16;
     for (int64_t b = 0; b < L->Np / 16; b++) {
-        const uint8_t *wb = L->w + b * K * 8;
-        const int32_t *c_b = L->c + b * 16;
-        int64_t stride = L->Np;
-        if (L->packed) {
-            prepare_block(L, b, words, wsum, c, c + G * 16);
-            wb = words, c_b = c, stride = 16;
-        }
-        unshifted[b] = (uint8_t)span_block_scales(wb, c_b, stride, G, f + b * G * 16,
+        const Block blk = block_of(L, b, words, wsum, c, c + G * 16);
+        unshifted[b] = (uint8_t)span_block_scales(blk.w, blk.c, blk.stride, G, f + b * G * 16,
                                                   rsh + b * G * 16, ends + b * G, c + G * 16);
     }
     free(words);
