@@ -1,0 +1,117 @@
+"""The Triton interpreter made faster for the suite, in two ways, its arithmetic untouched.
+
+- **One language patch a launch.** Triton patches triton.language for the interpreter at each
+  launch and restores it after, but also again at every call of a @triton.jit helper inside the
+  launch. That inner patch changes nothing once the helper's modules are patched (a patched
+  builtin is not patched twice), yet walks them with inspect.getmembers each time: about 15% of
+  an interpreted forward. Here a launch patches each module it meets once.
+- **A launch in one wide frame chunk.** CPython 3.11+ keeps Python frames in 16 KiB chunks,
+  mapped when a call needs a new one and unmapped when it returns. A deep call chain that
+  crosses a chunk's end at the interpreter's hot depth maps and unmaps it on nearly every
+  operation: in the suite a quarter of the equivalence stage's CPU time was the kernel's page
+  faults, and how much depended on the depth pytest happened to call from. Here each launch
+  runs in a frame so wide that its chunk (512 KiB) keeps room for every frame above it.
+
+`install()` applies both in this process (the suite's device module calls it where the Triton
+kernels are interpreted). tests/test_interpreter.py checks that outputs and the language after
+a launch are the same with and without.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+__all__ = ["WIDE_FRAME_SLOTS", "install", "installed", "uninstall", "wide_frame_runner"]
+
+_state: dict = {"installed": False, "originals": None}
+WIDE_FRAME_SLOTS = 33_000  # > 256 KiB of slots: the next power-of-two chunk, 512 KiB, keeps
+# ~250 KiB (thousands of frames) free above the frame
+_launch: dict = {"langs": None, "inner": []}  # the running launch's patched modules and scopes
+
+
+class _AlreadyPatched:
+    """The scope of a helper's call inside a launch that patched its modules: nothing to undo."""
+
+    def restore(self) -> None:
+        pass
+
+
+def wide_frame_runner(slots: int):
+    """A function run(call) -> call() whose own frame holds `slots` locals: a frame that big
+    starts a frame chunk of its own, and the calls under it stay in that chunk."""
+    names = " = ".join(f"_{i}" for i in range(slots))
+    source = f"def run(call):\n    if call is None:\n        {names} = None\n    return call()\n"
+    scope: dict = {}
+    exec(compile(source, "<wide frame>", "exec"), scope)
+    return scope["run"]
+
+
+def installed() -> bool:
+    return _state["installed"]
+
+
+def install() -> bool:
+    """From now on in this process: each launch patches a language module once, and runs in a
+    wide frame (the module's doc). True where it took; a Triton whose interpreter lacks the
+    hooks runs as it is, slower, and says so."""
+    if _state["installed"]:
+        return True
+    try:
+        import inspect
+
+        from triton import language as tl
+        from triton.runtime import interpreter
+        real = interpreter._patch_lang
+        interpreter._LangPatchScope.restore, interpreter.GridExecutor.__call__  # noqa: B018
+    except (ImportError, AttributeError) as e:
+        warnings.warn(f"the Triton interpreter runs unpatched (slower): its _patch_lang hook "
+                      f"is not there ({e})", RuntimeWarning, stacklevel=2)
+        return False
+    langs_of: dict = {}  # fn -> the language modules its globals see (what real patches)
+
+    def langs(fn) -> frozenset:
+        if fn not in langs_of:
+            langs_of[fn] = frozenset(id(v) for v in fn.__globals__.values()
+                                     if inspect.ismodule(v) and v in (tl, tl.core))
+        return langs_of[fn]
+
+    def patch_lang_once(fn):
+        patched = _launch["langs"]
+        if patched is not None and langs(fn) <= patched:
+            return _AlreadyPatched()
+        scope = real(fn)
+        if patched is not None:  # a helper seeing another module (tl.core): undone at the end
+            _launch["langs"] = patched | langs(fn)
+            _launch["inner"].append(scope)
+            return _AlreadyPatched()
+        _launch["langs"], _launch["inner"] = langs(fn), []
+        restore = scope.restore
+
+        def restore_all() -> None:
+            inner, _launch["langs"], _launch["inner"] = _launch["inner"], None, []
+            for each in reversed(inner):
+                each.restore()
+            restore()
+
+        scope.restore = restore_all
+        return scope
+
+    launch = interpreter.GridExecutor.__call__
+    _state["originals"] = (interpreter, real, launch)
+    interpreter._patch_lang = patch_lang_once
+    in_wide_frame = wide_frame_runner(WIDE_FRAME_SLOTS)
+
+    def launch_in_wide_frame(self, *args, **kwargs):
+        return in_wide_frame(lambda: launch(self, *args, **kwargs))
+
+    interpreter.GridExecutor.__call__ = launch_in_wide_frame
+    _state["installed"] = True
+    return True
+
+
+def uninstall() -> None:
+    """The interpreter as Triton ships it again (for the tests that compare)."""
+    if _state["installed"]:
+        interpreter, patch_lang, launch = _state["originals"]
+        interpreter._patch_lang, interpreter.GridExecutor.__call__ = patch_lang, launch
+        _state["installed"] = False

@@ -1,0 +1,78 @@
+"""The suite's faster Triton interpreter (exactness.suite.interpreter) computes what Triton's
+own does, leaves the language as it found it, and keeps a deep call chain from mapping a frame
+chunk per call."""
+
+import resource
+
+import numpy as np
+import pytest
+
+from exactness.suite import device, interpreter
+from exactness.suite.cases import load_vectors
+from exactness.suite.paths import available_paths, run
+
+needs_interpreter = pytest.mark.skipif(device.chosen() != "interpret",
+                                       reason="the Triton kernels are not interpreted here")
+# slow rows (the multiword finish) and non-finite rows, at each activation width
+VECTORS = ("v03-spread-a8-bfloat16", "v24-spread-a16-bfloat16", "v43-wide-a32-bfloat16",
+           "v57-nonfinite-a8-bfloat16", "v63-nonfinite-a4-bfloat16")
+
+
+def _leaf(a, b, c):
+    return a
+
+
+def _faults_at(depth: int, calls: int) -> int:
+    """Page faults of `calls` calls of a small function `depth` frames further down."""
+    if depth:
+        return _faults_at(depth - 1, calls)
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(calls):
+        _leaf(1, 2, 3)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+
+def _worst_faults(calls: int = 2000) -> int:
+    """The most page faults at any depth over two frame chunks' worth (16 KiB each)."""
+    return max(_faults_at(depth, calls) for depth in range(400))
+
+
+def test_a_wide_frame_keeps_every_depth_from_mapping_a_chunk_per_call():
+    wide = interpreter.wide_frame_runner(interpreter.WIDE_FRAME_SLOTS)
+    assert wide(_worst_faults) < 100
+    # a frame of ordinary width (a planted bug: the runner without its slots) does not: at the
+    # depth where a call needs a new chunk, CPython maps and unmaps one each call
+    assert interpreter.wide_frame_runner(10)(_worst_faults) >= 1000
+
+
+def _language():
+    """Every attribute of the modules and class the interpreter patches, by identity."""
+    import triton.language as tl
+
+    owners = (tl, tl.core, tl.math, tl.standard, tl.tensor)
+    return {(owner.__name__, name): id(value) for owner in owners
+            for name, value in vars(owner).items()}
+
+
+@needs_interpreter
+def test_interpreted_launches_give_the_vectors_bits_with_and_without_the_speed_ups():
+    cases = [case for case in load_vectors() if case.name in VECTORS]
+    assert len(cases) == len(VECTORS)
+    paths = {case.name: [p for p in available_paths(case) if p.startswith("triton")]
+             for case in cases}
+    assert all(len(held) >= 3 for held in paths.values()), paths
+    assert interpreter.installed()
+    run(cases[0], paths[cases[0].name][0])  # Triton's first launch adds names to its modules
+    before = _language()
+    try:
+        for speed_ups in (True, False):
+            if not speed_ups:
+                # Triton's own leaves tl.core patched after a launch: not compared
+                assert _language() == before, "a launch left the language patched"
+                interpreter.uninstall()
+            for case in cases:
+                for path in paths[case.name]:
+                    assert np.array_equal(run(case, path), case.expected), (path, case.name,
+                                                                            speed_ups)
+    finally:
+        interpreter.install()
