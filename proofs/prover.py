@@ -123,6 +123,24 @@ def prove(o: ob.Obligation, timeout_s: float = 60.0, cache: dict | None = None) 
                    model=model, key=key)
 
 
+def _remember(verdicts: list[Verdict]) -> None:
+    """Add the verdicts Z3 gave (not unknown) to this checkout's cache."""
+    fresh = {v.key: {"verdict": v.verdict, "model": v.model} for v in verdicts
+             if v.key and not v.cached and v.verdict != "unknown"}
+    if fresh:
+        CACHE.parent.mkdir(exist_ok=True)
+        partial = CACHE.with_name(f"{CACHE.name}.{os.getpid()}")  # whole, for a reader beside
+        partial.write_text(json.dumps({**_read(CACHE), **fresh}))
+        os.replace(partial, CACHE)
+
+
+def prove_once(o: ob.Obligation) -> Verdict:
+    """prove(o) through the checkout's cache: Z3 runs for a query it has not answered here."""
+    v = prove(o, cache=_cache())
+    _remember([v])
+    return v
+
+
 _JOBS: list = []  # (obligation, timeout, cache), inherited by the forked workers
 
 
@@ -268,11 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     verdicts = [done[i] for i in range(len(_JOBS))]
     total = time.perf_counter() - start
     if cache is not None:
-        for v in verdicts:
-            if v.key and v.verdict != "unknown":
-                cache[v.key] = {"verdict": v.verdict, "model": v.model}
-        CACHE.parent.mkdir(exist_ok=True)
-        CACHE.write_text(json.dumps(cache))
+        _remember(verdicts)
     ok = all(v.verdict == "proved" for v in verdicts)
     if args.record:
         RECORDED.write_text(json.dumps({v.key: {"verdict": v.verdict, "model": None}

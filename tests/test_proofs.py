@@ -25,13 +25,15 @@ from exactness.suite.strategies import (
 )
 from proofs import obligations as ob
 from proofs import prover
-from proofs.prover import extreme_case, main, prove
+from proofs.prover import extreme_case, main, prove, prove_once
 
 pytestmark = pytest.mark.stage("reference")  # make verify's stage
 
 
 def verdicts(capsys, *argv):
-    code = main(["--json", "--no-cache", "--jobs", "1", *argv])
+    """The CLI's verdicts, through its cache (a query's verdict, keyed by its text and Z3's
+    version, is proved once a checkout; the thorough profile's proofs stage proves afresh)."""
+    code = main(["--json", "--jobs", "1", *argv])
     return code, {v["name"]: v for v in json.loads(capsys.readouterr().out)}
 
 
@@ -90,8 +92,8 @@ def test_changing_a_width_in_the_description_changes_the_verdict(monkeypatch):
 
 def test_spread_past_the_limit_is_refuted():
     limit = dataflow.max_safe_spread(18432, 8, 16)
-    assert prove(ob.combine(8, 16, 18432, 64, limit)).verdict == "proved"
-    assert prove(ob.combine(8, 16, 18432, 64, limit + 1)).verdict == "refuted"
+    assert prove_once(ob.combine(8, 16, 18432, 64, limit)).verdict == "proved"
+    assert prove_once(ob.combine(8, 16, 18432, 64, limit + 1)).verdict == "refuted"
 
 
 def test_an_unshifted_chain_past_its_bound_is_refuted(monkeypatch):
@@ -104,11 +106,11 @@ def test_an_unshifted_chain_past_its_bound_is_refuted(monkeypatch):
 def test_an_amx_span_summing_past_int32_is_refuted(monkeypatch):
     """A span's tile dots sum at most 1024 groups of u8 x u8 products (255 * 255 each); 1032
     would stay under 2**31, 1033 would pass it, and the proof says so."""
-    assert prove(ob.amx_span_dot(dataflow.DOT_ACC_BITS)).verdict == "proved"
+    assert prove_once(ob.amx_span_dot(dataflow.DOT_ACC_BITS)).verdict == "proved"
     monkeypatch.setattr(dataflow, "AMX_SPAN_GROUPS", 1032)
-    assert prove(ob.amx_span_dot(dataflow.DOT_ACC_BITS)).verdict == "proved"
+    assert prove_once(ob.amx_span_dot(dataflow.DOT_ACC_BITS)).verdict == "proved"
     monkeypatch.setattr(dataflow, "AMX_SPAN_GROUPS", 1033)
-    assert prove(ob.amx_span_dot(dataflow.DOT_ACC_BITS)).verdict == "refuted"
+    assert prove_once(ob.amx_span_dot(dataflow.DOT_ACC_BITS)).verdict == "refuted"
 
 
 def test_an_amx_fold_past_s16_and_a_combine_past_int64_are_refuted(monkeypatch):
@@ -331,8 +333,8 @@ def test_a_32_bit_group_sum_in_int32_is_refuted():
 
 def test_the_int64_matmul_is_refuted_one_step_past_the_certified_spread():
     limit = dataflow.certified_spread(18432, 4, 32)
-    assert prove(ob.cpu_int64_matmul(4, 32, 18432, limit)).verdict == "proved"
-    assert prove(ob.cpu_int64_matmul(4, 32, 18432, limit + 3)).verdict == "refuted"
+    assert prove_once(ob.cpu_int64_matmul(4, 32, 18432, limit)).verdict == "proved"
+    assert prove_once(ob.cpu_int64_matmul(4, 32, 18432, limit + 3)).verdict == "refuted"
 
 
 def test_the_float64_gemm_is_proved_where_its_check_admits_it_and_refuted_past():
@@ -340,8 +342,8 @@ def test_the_float64_gemm_is_proved_where_its_check_admits_it_and_refuted_past()
     K = 18432, spread 11 stays within 2**53, spread 12 can pass it."""
     assert dataflow.float64_gemm_holds(18432, 4, 11) and not dataflow.float64_gemm_holds(
         18432, 4, 12)
-    assert prove(ob.cpu_float64_gemm(4, 32, 18432, 11)).verdict == "proved"
-    assert prove(ob.cpu_float64_gemm(4, 32, 18432, 12)).verdict == "refuted"
+    assert prove_once(ob.cpu_float64_gemm(4, 32, 18432, 11)).verdict == "proved"
+    assert prove_once(ob.cpu_float64_gemm(4, 32, 18432, 12)).verdict == "refuted"
 
 
 def test_the_four_limb_proofs_refute_planted_bugs(monkeypatch):
