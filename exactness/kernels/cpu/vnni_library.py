@@ -90,11 +90,11 @@ def library():
     return status()[0]
 
 
-def load(source: str, check: bool = True):
-    """`source` compiled (cached by its hash) and loaded; None if it does not compile, if its
-    first run dies in a child process or, with `check`, if it fails the self-check there.
-    (check=False is for planted bugs: exactness.suite.mutants.)"""
-    lib, _ = build(source)
+def load(source: str, check: bool = True, extra_flags: tuple[str, ...] = ()):
+    """`source` compiled (cached by its hash and flags) with `extra_flags` too, and loaded;
+    None if it does not compile, if its first run dies in a child process or, with `check`, if
+    it fails the self-check there. (check=False is for planted bugs: exactness.suite.mutants.)"""
+    lib, _ = build(source, extra_flags)
     if lib is None:
         return None
     first = judged(lib)
