@@ -13,8 +13,8 @@
   runs in a frame so wide that its chunk (512 KiB) keeps room for every frame above it.
 
 `install()` applies both in this process (the suite's device module calls it where the Triton
-kernels are interpreted). tests/test_interpreter.py checks that outputs and the language after
-a launch are the same with and without.
+kernels are interpreted). tests/test_interpreter.py checks that the outputs are the same with
+and without, and that the language is as it was after a launch.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import warnings
 
 __all__ = ["WIDE_FRAME_SLOTS", "install", "installed", "uninstall", "wide_frame_runner"]
 
-_state: dict = {"installed": False, "originals": None}
+_originals: list = []  # (Triton's interpreter module, its _patch_lang, its launch) once installed
 WIDE_FRAME_SLOTS = 33_000  # > 256 KiB of slots: the next power-of-two chunk, 512 KiB, keeps
 # ~250 KiB (thousands of frames) free above the frame
 _launch: dict = {"langs": None, "inner": []}  # the running launch's patched modules and scopes
@@ -47,14 +47,14 @@ def wide_frame_runner(slots: int):
 
 
 def installed() -> bool:
-    return _state["installed"]
+    return bool(_originals)
 
 
 def install() -> bool:
     """From now on in this process: each launch patches a language module once, and runs in a
     wide frame (the module's doc). True where it took; a Triton whose interpreter lacks the
     hooks runs as it is, slower, and says so."""
-    if _state["installed"]:
+    if _originals:
         return True
     try:
         import inspect
@@ -97,7 +97,7 @@ def install() -> bool:
         return scope
 
     launch = interpreter.GridExecutor.__call__
-    _state["originals"] = (interpreter, real, launch)
+    _originals[:] = (interpreter, real, launch)
     interpreter._patch_lang = patch_lang_once
     in_wide_frame = wide_frame_runner(WIDE_FRAME_SLOTS)
 
@@ -105,13 +105,12 @@ def install() -> bool:
         return in_wide_frame(lambda: launch(self, *args, **kwargs))
 
     interpreter.GridExecutor.__call__ = launch_in_wide_frame
-    _state["installed"] = True
     return True
 
 
 def uninstall() -> None:
     """The interpreter as Triton ships it again (for the tests that compare)."""
-    if _state["installed"]:
-        interpreter, patch_lang, launch = _state["originals"]
+    if _originals:
+        interpreter, patch_lang, launch = _originals
         interpreter._patch_lang, interpreter.GridExecutor.__call__ = patch_lang, launch
-        _state["installed"] = False
+        _originals.clear()
