@@ -76,3 +76,52 @@ def test_interpreted_launches_give_the_vectors_bits_with_and_without_the_speed_u
                                                                             speed_ups)
     finally:
         interpreter.install()
+
+
+def _wrapping_add():
+    """An interpreted int32 add past the type's range, and the wrapped bits it stores."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def add_kernel(a_ptr, b_ptr, out_ptr):
+        offs = tl.arange(0, 4)
+        tl.store(out_ptr + offs, tl.load(a_ptr + offs) + tl.load(b_ptr + offs))
+
+    a = torch.tensor([2**31 - 1, 1, -2**31, 5], dtype=torch.int32)
+    b = torch.tensor([1, 1, -1, 5], dtype=torch.int32)
+    out = torch.empty_like(a)
+    add_kernel[(1,)](a, b, out)
+    return out.tolist()
+
+
+@needs_interpreter
+def test_the_overflow_check_runs_only_where_its_verdict_counts():
+    """Triton's interpreter redoes each int32 add in int64 and hands the verdict to
+    device_assert, which drops it unless the options' debug is set: an overflow passes unseen
+    with the check (as Triton ships) and without it (the speed-up), the same bits wrapped. With
+    debug set the check is kept, and catches it."""
+    import dataclasses
+
+    from triton.runtime import interpreter as triton_interpreter
+
+    wrapped = [-2**31, 2, 2**31 - 1, 10]
+    builder = triton_interpreter.interpreter_builder
+    interpreter.uninstall()
+    shipped = builder.options
+    try:
+        assert shipped.sanitize_overflow and not shipped.debug  # what the speed-up rests on
+        assert _wrapping_add() == wrapped
+        interpreter.install()
+        assert not builder.options.sanitize_overflow and _wrapping_add() == wrapped
+        interpreter.uninstall()
+        builder.options = dataclasses.replace(shipped, debug=True)
+        interpreter.install()
+        assert builder.options.sanitize_overflow
+        with pytest.raises(Exception, match="int32 overflow detected for operation add"):
+            _wrapping_add()
+    finally:
+        interpreter.uninstall()
+        builder.options = shipped
+        interpreter.install()

@@ -1,4 +1,4 @@
-"""The Triton interpreter made faster for the suite, in two ways, its arithmetic untouched.
+"""The Triton interpreter made faster for the suite, in three ways, its arithmetic untouched.
 
 - **One language patch a launch.** Triton patches triton.language for the interpreter at each
   launch and restores it after, but also again at every call of a @triton.jit helper inside the
@@ -11,19 +11,27 @@
   operation: in the suite a quarter of the equivalence stage's CPU time was the kernel's page
   faults, and how much depended on the depth pytest happened to call from. Here each launch
   runs in a frame so wide that its chunk (512 KiB) keeps room for every frame above it.
+- **No overflow check whose verdict is dropped.** The interpreter's options ask for an int32
+  overflow check at every integer add, subtract and multiply: each is redone in int64 and
+  compared with the type's range, and the result goes to `device_assert`, which does nothing
+  unless the options' `debug` is set (it never is here). That dead work was about 30% of an
+  interpreted launch. Here the check is asked for only where `debug` is set, so where it would
+  decide something, it still runs.
 
-`install()` applies both in this process (the suite's device module calls it where the Triton
+`install()` applies all three in this process (the suite's device module calls it where the Triton
 kernels are interpreted). tests/test_interpreter.py checks that the outputs are the same with
 and without, and that the language is as it was after a launch.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 __all__ = ["WIDE_FRAME_SLOTS", "install", "installed", "uninstall", "wide_frame_runner"]
 
-_originals: list = []  # (Triton's interpreter module, its _patch_lang, its launch) once installed
+_originals: list = []  # (Triton's interpreter module, its _patch_lang, its launch, the builder's
+# options) once installed
 WIDE_FRAME_SLOTS = 33_000  # > 256 KiB of slots: the next power-of-two chunk, 512 KiB, keeps
 # ~250 KiB (thousands of frames) free above the frame
 _launch: dict = {"langs": None, "inner": []}  # the running launch's patched modules and scopes
@@ -51,9 +59,10 @@ def installed() -> bool:
 
 
 def install() -> bool:
-    """From now on in this process: each launch patches a language module once, and runs in a
-    wide frame (the module's doc). True where it took; a Triton whose interpreter lacks the
-    hooks runs as it is, slower, and says so."""
+    """From now on in this process: each launch patches a language module once, runs in a wide
+    frame, and computes no overflow check whose verdict would be dropped (the module's doc).
+    True where it took; a Triton whose interpreter lacks the hooks runs as it is, slower, and
+    says so."""
     if _originals:
         return True
     try:
@@ -97,8 +106,15 @@ def install() -> bool:
         return scope
 
     launch = interpreter.GridExecutor.__call__
-    _originals[:] = (interpreter, real, launch)
+    builder = getattr(interpreter, "interpreter_builder", None)
+    options = getattr(builder, "options", None)
+    _originals[:] = (interpreter, real, launch, options)
     interpreter._patch_lang = patch_lang_once
+    if dataclasses.is_dataclass(options) and \
+            {"sanitize_overflow", "debug"} <= {f.name for f in dataclasses.fields(options)}:
+        # the check's only consumer, device_assert, returns at once unless debug is set
+        builder.options = dataclasses.replace(
+            options, sanitize_overflow=options.sanitize_overflow and options.debug)
     in_wide_frame = wide_frame_runner(WIDE_FRAME_SLOTS)
 
     def launch_in_wide_frame(self, *args, **kwargs):
@@ -111,6 +127,8 @@ def install() -> bool:
 def uninstall() -> None:
     """The interpreter as Triton ships it again (for the tests that compare)."""
     if _originals:
-        interpreter, patch_lang, launch = _originals
+        interpreter, patch_lang, launch, options = _originals
         interpreter._patch_lang, interpreter.GridExecutor.__call__ = patch_lang, launch
+        if options is not None:
+            interpreter.interpreter_builder.options = options
         _originals.clear()
