@@ -29,6 +29,7 @@ from exactness.suite.paths import (
     device_of,
     held_act_bits,
     layer_for,
+    refused_here,
     require,
     run,
     triton_device,
@@ -71,11 +72,14 @@ def skip_unless_here(path: str) -> None:
     require(path)
 
 
+# make verify's vectors stage: these three, and tests/test_vectors.py (the oracle, the reference)
+
+
+@pytest.mark.stage("vectors")
 @pytest.mark.parametrize("path", KERNELS)
 def test_vectors_through_the_layer(path):
     """The contract's independent vectors through each kernel forced (triton-folded on each
-    vector grown to a shape its GEMM takes). The backends' own plans: make verify's vectors
-    stage, and every test below that loops over LAYER_PATHS."""
+    vector grown to a shape its GEMM takes)."""
     skip_unless_here(path)
     held = 0
     for vector in load_vectors():
@@ -87,6 +91,27 @@ def test_vectors_through_the_layer(path):
                    source="vectors")
         held += 1
     assert held >= 9, f"{path} held only {held} of the vectors"
+
+
+@pytest.mark.stage("vectors")
+@pytest.mark.parametrize("path", BACKENDS)
+def test_vectors_through_the_backend(path):
+    """The contract's vectors through the layer as its plan picks, on each backend that holds
+    them."""
+    skip_unless_here(path)
+    held = 0
+    for case in load_vectors():
+        if path in available_paths(case):  # Triton: no kernel holds 32-bit activations yet
+            check_bits(case, path, run(case, path), case.expected, source="vectors")
+            held += 1
+    assert held >= 36, f"the {path} backend held only {held} of the vectors"
+
+
+@pytest.mark.stage("vectors")
+def test_no_kernel_is_refused_where_it_should_run():
+    """A C kernel this machine has what it needs for, but whose build or start-up self-check
+    failed: every check of it would skip on the machine where it matters."""
+    assert refused_here() == []
 
 
 # what each kernel is checked on: wide is Python integers, the Triton kernels are interpreted;

@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from exactness.kernels.cpu import amx_check, vnni_check
+from exactness.kernels.cpu import amx_library, vnni_library
 from exactness.suite.mutants import (
     AMX_KERNEL,
     C_KERNEL,
@@ -38,10 +38,11 @@ def test_mutant_is_killed(mutant: Mutant):
 @pytest.mark.parametrize("mutant", [m for m in CATALOGUE if m.target == C_KERNEL],
                          ids=lambda m: m.name)
 def test_the_start_up_self_check_refuses_the_c_mutant(mutant: Mutant):
-    """Had the C kernel carried the bug, the layer would not have used it."""
+    """Had the C kernel carried the bug, the layer would not have used it: the verdict of its
+    first run (the self-check, in a child process) is the one vnni_library.status reads."""
     if not runs_here(mutant):
         require("vnni-limbs")
-    assert not vnni_check.self_check(mutated_c_kernel(mutant))
+    assert not vnni_library.judged(mutated_c_kernel(mutant)).verdict
 
 
 @pytest.mark.parametrize("mutant", [m for m in CATALOGUE if m.target == AMX_KERNEL],
@@ -51,7 +52,8 @@ def test_the_start_up_self_check_refuses_the_amx_mutant(mutant: Mutant):
     too, where they differ from the emulated ones only in the six tile instructions."""
     if not runs_here(mutant):
         require("amx")
-    assert not amx_check.self_check(mutated_amx_kernel(mutant))
+    lib = mutated_amx_kernel(mutant)
+    assert not vnni_library.judged(lib, amx_library.CHECK, "a planted AMX kernel").verdict
 
 
 def test_every_killer_is_a_test_pytest_collects():

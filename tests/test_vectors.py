@@ -8,7 +8,7 @@ from exactness.suite.cases import load_vectors
 from exactness.suite.counterexamples import check_bits
 from exactness.suite.reference import oracle_linear, reference_linear
 
-pytestmark = pytest.mark.stage("reference")  # make verify's stage
+pytestmark = pytest.mark.stage("vectors")  # make verify's stage
 
 VECTORS = load_vectors()
 

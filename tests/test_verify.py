@@ -25,7 +25,8 @@ def session_outcome(monkeypatch, tmp_path, returncode: int, cases: list[tuple[st
                        + (f'<properties><property name="stage" value="{stage_of[name]}"/>'
                           f'</properties>' if name in stage_of else "")
                        + ('<skipped message="no C kernel here"/>' if failed == "skip"
-                          else "<failure/>" if failed else "") + "</testcase>"
+                          else '<failure message="boom&#10;more"/>' if failed else "")
+                       + "</testcase>"
                        for i, (name, failed) in enumerate(cases))
         (tmp_path / "junit-s.xml").write_text(f"<testsuites><testsuite>{body}"
                                               f"</testsuite></testsuites>")
@@ -38,7 +39,8 @@ def session_outcome(monkeypatch, tmp_path, returncode: int, cases: list[tuple[st
 def test_each_stage_reads_its_own_tests(monkeypatch, tmp_path):
     got = session_outcome(monkeypatch, tmp_path, 1, [
         ("tests.test_a", True), ("tests.test_b", False), ("tests.test_c.TestClass", False)])
-    assert got["first"].verdict == "failed" and got["first"].failures == ["tests.test_a::t0"]
+    # a failure names its test and the first line of what it said
+    assert got["first"].verdict == "failed" and got["first"].failures == ["tests.test_a::t0: boom"]
     assert got["second"].verdict == "passed" and got["second"].checks == 2
     assert got["second"].seconds == 3.0
     # each check's seconds, for verify.json: where a slow stage's time goes (issue 53)

@@ -171,6 +171,7 @@ def run_tests(node_ids, stop_at_first_failure: bool = False, collect_only: bool 
     process (so a mutant applied here is in them), with `extra` options: (pytest's exit code,
     _Outcomes)."""
     import contextlib
+    import gc
     import io
 
     import pytest
@@ -181,8 +182,14 @@ def run_tests(node_ids, stop_at_first_failure: bool = False, collect_only: bool 
                "--tb=line", "-W", "ignore::pytest.PytestAssertRewriteWarning",
                *(["-x"] if stop_at_first_failure else []),
                *(["--collect-only"] if collect_only else []), *extra]
-    with contextlib.redirect_stdout(io.StringIO()) as report:  # the caller's table stays clean
-        code = pytest.main([*options, *args], plugins=[outcomes])
+    # pytest ends a session with a full garbage collection, which in a worker holding the
+    # suite's heap took seconds a run: the heap is frozen first, so it sweeps only this run's
+    gc.freeze()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()) as report:  # the caller's table stays clean
+            code = pytest.main([*options, *args], plugins=[outcomes])
+    finally:
+        gc.unfreeze()
     outcomes.report = report.getvalue()
     return int(code), outcomes
 

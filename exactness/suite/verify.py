@@ -93,8 +93,11 @@ class PytestSession:
                 result.seconds += float(case.get("time") or 0)
                 name = f"{case.get('classname')}::{case.get('name')}"
                 result.check_seconds[name] = round(float(case.get("time") or 0), 2)
-                if case.find("failure") is not None or case.find("error") is not None:
-                    result.failures.append(name)
+                failure = case.find("failure")
+                failure = case.find("error") if failure is None else failure
+                if failure is not None:  # its message's first line says what was wrong
+                    said = (failure.get("message") or "").strip().splitlines()
+                    result.failures.append(f"{name}: {said[0][:300]}" if said else name)
                 elif case.find("skipped") is not None:
                     result.skipped.append(f"{name}: {case.find('skipped').get('message')}")
         # exit 1: tests failed, which the stages holding them report; anything else but 0 (a
@@ -138,25 +141,6 @@ def proofs_stage(profile: str) -> StageResult:
                               f"({len(verdicts) - cached} afresh, {cached} recorded or cached)")
 
 
-def vectors_stage(profile: str) -> StageResult:
-    from .cases import load_vectors
-    from .counterexamples import check_bits
-    from .paths import available_paths, refused_here, run
-
-    failures, checks, used = list(refused_here()), 0, {}  # a path refused fails: never skipped
-    for case in load_vectors():
-        for path in available_paths(case):  # every path, every kernel that holds the case
-            used[path] = None
-            checks += 1
-            try:
-                check_bits(case, path, run(case, path), case.expected, source="vectors")
-            except AssertionError as e:
-                failures.append(str(e))
-    return StageResult("vectors", "failed" if failures else "passed", checks,
-                       detail=f"the contract's vectors reproduced by {', '.join(used)}",
-                       failures=failures)
-
-
 def corpus_stage(profile: str) -> StageResult:
     from .counterexamples import CounterexampleFileError
     from .repro import replay
@@ -178,7 +162,7 @@ def corpus_stage(profile: str) -> StageResult:
 _TESTS = PytestSession("tests")
 STAGES = [
     Stage("proofs", "Z3: accumulator bounds at Kimi sizes, the rounding routine", proofs_stage),
-    Stage("vectors", "the contract's independent test vectors, every path", vectors_stage),
+    _TESTS.stage("vectors", "the contract's independent test vectors, every path"),
     _TESTS.stage("reference", "oracle == numpy reference == peers; proofs cross-checked"),
     _TESTS.stage("equivalence", "every layer path == reference, bit for bit, full Kimi sizes too"),
     _TESTS.stage("devices", "the same cases on the C kernels (CPU) and the Triton kernels (the "
