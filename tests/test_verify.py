@@ -152,7 +152,9 @@ def test_a_kernel_refused_by_its_self_check_fails_make_verify(tmp_path):
                         "'s/_MM_FROUND_TO_NEAREST_INT/_MM_FROUND_TO_ZERO/' \"$a\";; esac; done\n"
                         "exec cc \"$@\"\n")
     planting.chmod(0o755)
-    env = {**os.environ, "CC": str(planting), "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    env = {**os.environ, "CC": str(planting), "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "EXACTNESS_REPORTS": str(tmp_path / "reports"),  # not the running make verify's
+           "EXACTNESS_WORKERS": "1"}
     done = subprocess.run([sys.executable, "-m", "exactness", "verify", "--stage", "vectors"],
                           cwd=verify.ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 1, done.stdout
