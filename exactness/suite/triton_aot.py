@@ -18,6 +18,8 @@ The interpreter replaces the kernels, so this runs in a process without TRITON_I
 from __future__ import annotations
 
 import argparse
+import contextlib
+import hashlib
 import itertools
 import json
 import math
@@ -184,21 +186,48 @@ def configurations(quick: bool = False) -> list[tuple[str, str, dict, dict]]:
     return configs
 
 
+def _remembered(tool, arch: int, data: bytes, compute):
+    """compute(), a JSON value of one PTX or cubin by one of the CUDA tools, kept in the kernels'
+    cache keyed by the tool, its version and the bytes: ptxas and cuobjdump take about 0.2 and
+    0.6 s a kernel, and a warm run asked the same of them every time."""
+    from ..kernels.toolchain import cache_dir
+
+    cache, _ = cache_dir()
+    if cache is None:
+        return compute()
+    key = hashlib.sha256(b"\0".join([str(tool).encode(), str(arch).encode(), data])).hexdigest()
+    file = cache / f"triton-aot-{key[:24]}.json"
+    with contextlib.suppress(OSError, ValueError):
+        return json.loads(file.read_text())
+    value = compute()
+    with contextlib.suppress(OSError):  # written whole or not at all
+        part = file.with_name(f"{file.name}.{os.getpid()}.part")
+        part.write_text(json.dumps(value))
+        os.replace(part, file)
+    return value
+
+
 def _ptxas_usage(ptx: str, arch: int) -> tuple[int, int]:
     """(registers, spill bytes) that ptxas reports for the PTX; (-1, -1) if it does not say."""
     from triton.backends.nvidia.compiler import get_ptxas
 
+    ptxas = get_ptxas(arch)
     suffix = "a" if arch >= 90 else ""
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.ptx")
-        with open(path, "w") as f:
-            f.write(ptx)
-        proc = subprocess.run([get_ptxas(arch).path, "-v", f"--gpu-name=sm_{arch}{suffix}", path,
-                               "-o", os.path.join(tmp, "kernel.cubin")],
-                              capture_output=True, text=True, timeout=120)
-    usage, spills = PTXAS_USAGE.search(proc.stderr), PTXAS_SPILLS.search(proc.stderr)
-    return (int(usage.group(1)) if usage else -1,
-            int(spills.group(1)) + int(spills.group(2)) if spills else -1)
+
+    def usage() -> list[int]:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "kernel.ptx")
+            with open(path, "w") as f:
+                f.write(ptx)
+            proc = subprocess.run([ptxas.path, "-v", f"--gpu-name=sm_{arch}{suffix}", path,
+                                   "-o", os.path.join(tmp, "kernel.cubin")],
+                                  capture_output=True, text=True, timeout=120)
+        used, spills = PTXAS_USAGE.search(proc.stderr), PTXAS_SPILLS.search(proc.stderr)
+        return [int(used.group(1)) if used else -1,
+                int(spills.group(1)) + int(spills.group(2)) if spills else -1]
+
+    registers, spill_bytes = _remembered(ptxas, arch, ptx.encode(), usage)
+    return registers, spill_bytes
 
 
 SASS_LINE = re.compile(r"/\*([0-9a-f]+)\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)([^;]*);")
@@ -209,23 +238,30 @@ def hot_loop(cubin: bytes, arch: int) -> list[str]:
     what one warp issues per step of a kernel's main loop. [] if there is none or no tool."""
     from triton.backends.nvidia.compiler import get_ptxas
 
-    tool = os.path.join(os.path.dirname(get_ptxas(arch).path), "cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        try:
+    ptxas = get_ptxas(arch)
+    tool = os.path.join(os.path.dirname(ptxas.path), "cuobjdump")
+
+    def loop() -> list[str]:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "kernel.cubin")
+            with open(path, "wb") as f:
+                f.write(cubin)
             sass = subprocess.run([tool, "-sass", path], capture_output=True, text=True,
                                   timeout=120).stdout
-        except OSError:
+        lines = [(int(m.group(1), 16), m.group(3), m.group(4))
+                 for m in SASS_LINE.finditer(sass)]
+        loops = [(target, at) for at, op, rest in lines if op.startswith("BRA")
+                 for target in [int(t, 16) for t in re.findall(r"0x([0-9a-f]+)", rest)]
+                 if target < at]
+        if not loops:
             return []
-    lines = [(int(m.group(1), 16), m.group(3), m.group(4)) for m in SASS_LINE.finditer(sass)]
-    loops = [(target, at) for at, op, rest in lines if op.startswith("BRA")
-             for target in [int(t, 16) for t in re.findall(r"0x([0-9a-f]+)", rest)] if target < at]
-    if not loops:
+        start, end = max(loops, key=lambda loop: loop[1] - loop[0])
+        return [op for at, op, _ in lines if start <= at <= end]
+
+    try:
+        return _remembered((tool, ptxas), arch, cubin, loop)
+    except OSError:  # no cuobjdump beside ptxas
         return []
-    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
-    return [op for at, op, _ in lines if start <= at <= end]
 
 
 def compile_kernel(fn, types: dict, constants: dict, arch: int, name: str = "",
