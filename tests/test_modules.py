@@ -101,7 +101,7 @@ def test_vectors_through_the_backend(path):
     skip_unless_here(path)
     held = 0
     for case in load_vectors():
-        if path in available_paths(case):  # Triton: no kernel holds 32-bit activations yet
+        if path in available_paths(case):  # where one of its kernels holds the vector
             check_bits(case, path, run(case, path), case.expected, source="vectors")
             held += 1
     assert held >= 36, f"the {path} backend held only {held} of the vectors"
