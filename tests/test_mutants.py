@@ -24,7 +24,16 @@ from exactness.suite.paths import require
 pytestmark = pytest.mark.stage("mutants")  # make verify's stage
 
 
-@pytest.mark.parametrize("mutant", CATALOGUE, ids=lambda m: m.name)
+def by_build(mutants: list[Mutant]) -> list:
+    """The mutants as parameters, each C or AMX mutant's tests in one xdist group (with --dist
+    loadgroup, as make verify and make test run): one worker builds it and runs both, where two
+    workers started both at once and one waited on the other's build (a cold emulated AMX build
+    is about 14 s)."""
+    return [pytest.param(m, id=m.name, marks=[pytest.mark.xdist_group(m.name)]
+                         if m.target in (C_KERNEL, AMX_KERNEL) else []) for m in mutants]
+
+
+@pytest.mark.parametrize("mutant", by_build(CATALOGUE))
 def test_mutant_is_killed(mutant: Mutant):
     if not runs_here(mutant):  # a skip where there is no C kernel to plant it in, else a failure
         require("amx" if mutant.target == AMX_KERNEL else "vnni-limbs")
@@ -35,8 +44,7 @@ def test_mutant_is_killed(mutant: Mutant):
     assert verdict.killed_by, f"{mutant.name} ({mutant.bug}) survived {verdict.survivors}"
 
 
-@pytest.mark.parametrize("mutant", [m for m in CATALOGUE if m.target == C_KERNEL],
-                         ids=lambda m: m.name)
+@pytest.mark.parametrize("mutant", by_build([m for m in CATALOGUE if m.target == C_KERNEL]))
 def test_the_start_up_self_check_refuses_the_c_mutant(mutant: Mutant):
     """Had the C kernel carried the bug, the layer would not have used it: the verdict of its
     first run (the self-check, in a child process) is the one vnni_library.status reads."""
@@ -45,8 +53,7 @@ def test_the_start_up_self_check_refuses_the_c_mutant(mutant: Mutant):
     assert not vnni_library.judged(mutated_c_kernel(mutant)).verdict
 
 
-@pytest.mark.parametrize("mutant", [m for m in CATALOGUE if m.target == AMX_KERNEL],
-                         ids=lambda m: m.name)
+@pytest.mark.parametrize("mutant", by_build([m for m in CATALOGUE if m.target == AMX_KERNEL]))
 def test_the_start_up_self_check_refuses_the_amx_mutant(mutant: Mutant):
     """Had the AMX kernel carried the bug, the layer would not have used it: the real tiles
     too, where they differ from the emulated ones only in the six tile instructions."""

@@ -78,7 +78,8 @@ class PytestSession:
                    EXACTNESS_DEVICE=device.chosen())  # this process's device (run)
         workers = os.environ.get("EXACTNESS_WORKERS", "2")  # the CI machine's 2 cores
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", workers,
-               f"--junitxml={junit}", *(f"--stage={stage}" for stage in stages),
+               "--dist", "loadgroup", f"--junitxml={junit}",
+               *(f"--stage={stage}" for stage in stages),
                *([f"--shard={shard[0]}/{shard[1]}"] if shard else [])]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         results = {name: StageResult(name, "passed", detail=self.what[name]) for name in stages}
