@@ -9,8 +9,7 @@ export HYPOTHESIS_PROFILE
 # interpreter, on the CPU) or cuda (compiled, on the GPU): make verify DEVICE=cuda.
 DEVICE ?= interpret
 export EXACTNESS_DEVICE := $(DEVICE)
-# loadgroup: the tests of one C or AMX mutant on one worker, which builds it once (test_mutants)
-PYTEST_ARGS ?= -n 2 --dist loadgroup
+PYTEST_ARGS ?= -n 2
 
 .PHONY: gpu-wheels setup test verify lint prove bench mutants mutmut repro precision peers clean
 

@@ -26,9 +26,9 @@ pytestmark = pytest.mark.stage("mutants")  # make verify's stage
 
 def by_build(mutants: list[Mutant]) -> list:
     """The mutants as parameters, each C or AMX mutant's tests in one xdist group (with --dist
-    loadgroup, as make verify and make test run): one worker builds it and runs both, where two
-    workers started both at once and one waited on the other's build (a cold emulated AMX build
-    is about 14 s)."""
+    loadgroup, as make verify's mutants stage runs): one worker builds it and runs both, where
+    two workers started both at once and one waited on the other's build (a cold emulated AMX
+    build is about 14 s)."""
     return [pytest.param(m, id=m.name, marks=[pytest.mark.xdist_group(m.name)]
                          if m.target in (C_KERNEL, AMX_KERNEL) else []) for m in mutants]
 

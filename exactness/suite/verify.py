@@ -55,10 +55,12 @@ class PytestSession:
     reported per stage from the session's JUnit XML. A test module says its stage itself
     (`pytestmark = pytest.mark.stage("name")`); `pytest --stage name` selects those modules, and
     conftest records each test's stage in the XML. kill_only: the selection only has to fail
-    under planted bugs, so the ci profile runs it without shrinking."""
+    under planted bugs, so the ci profile runs it without shrinking. dist: xdist's scheduling
+    (loadgroup keeps each C or AMX mutant's tests on one worker: tests/test_mutants.py; it
+    made the other stages' session about 10% slower here, so they take load)."""
 
-    def __init__(self, name: str, kill_only: bool = False):
-        self.name, self.kill_only = name, kill_only
+    def __init__(self, name: str, kill_only: bool = False, dist: str = "load"):
+        self.name, self.kill_only, self.dist = name, kill_only, dist
         self.what: dict[str, str] = {}  # stage -> what it checks
 
     def stage(self, name: str, what: str) -> Stage:
@@ -78,7 +80,7 @@ class PytestSession:
                    EXACTNESS_DEVICE=device.chosen())  # this process's device (run)
         workers = os.environ.get("EXACTNESS_WORKERS", "2")  # the CI machine's 2 cores
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", workers,
-               "--dist", "loadgroup", f"--junitxml={junit}",
+               "--dist", self.dist, f"--junitxml={junit}",
                *(f"--stage={stage}" for stage in stages),
                *([f"--shard={shard[0]}/{shard[1]}"] if shard else [])]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
@@ -172,7 +174,8 @@ STAGES = [
     _TESTS.stage("reliability", "bad input refused, writes seen, the Kimi loader, the kernel "
                                 "cache, repro's refusals"),
     Stage("corpus", "tests/counterexamples replayed on every path", corpus_stage),
-    PytestSession("mutants", kill_only=True).stage("mutants", "every planted bug is caught"),
+    PytestSession("mutants", kill_only=True, dist="loadgroup").stage(
+        "mutants", "every planted bug is caught"),
 ]
 
 
