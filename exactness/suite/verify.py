@@ -56,8 +56,8 @@ class PytestSession:
     (`pytestmark = pytest.mark.stage("name")`); `pytest --stage name` selects those modules, and
     conftest records each test's stage in the XML. kill_only: the selection only has to fail
     under planted bugs, so the ci profile runs it without shrinking. dist: xdist's scheduling
-    (loadgroup keeps each C or AMX mutant's tests on one worker: tests/test_mutants.py; it
-    made the other stages' session about 10% slower here, so they take load)."""
+    (loadgroup keeps each C or AMX mutant's tests on one worker: tests/test_mutants.py; the
+    other stages' session has no groups, and ran no faster on it, so it takes load)."""
 
     def __init__(self, name: str, kill_only: bool = False, dist: str = "load"):
         self.name, self.kill_only, self.dist = name, kill_only, dist
