@@ -59,8 +59,7 @@ def test_the_start_up_self_check_refuses_the_amx_mutant(mutant: Mutant):
     too, where they differ from the emulated ones only in the six tile instructions."""
     if not runs_here(mutant):
         require("amx")
-    lib = mutated_amx_kernel(mutant)
-    assert not vnni_library.judged(lib, amx_library.CHECK, "a planted AMX kernel").verdict
+    assert not amx_library.judged(mutated_amx_kernel(mutant)).verdict
 
 
 def test_every_killer_is_a_test_pytest_collects():

@@ -75,6 +75,12 @@ def request(lib) -> Fit:
     return yes("the tile state granted")
 
 
+def judged(lib):
+    """The library's first run, the AMX self-check in a child process (vnni_library.judged):
+    cached by the library's bytes."""
+    return vnni_library.judged(lib, CHECK, f"the AMX kernel ({MODES[mode()]})")
+
+
 def load(amx_source: str | None = None, check: bool = True) -> tuple[ctypes.CDLL | None, Fit]:
     """The library built, its first run (the self-check) done in a child process, then the tile
     state granted here; None and why not. A child that dies refuses it; with `check`, so does a
@@ -82,7 +88,7 @@ def load(amx_source: str | None = None, check: bool = True) -> tuple[ctypes.CDLL
     lib, why = build(amx_source)
     if lib is None:
         return None, why
-    first = vnni_library.judged(lib, CHECK, f"the AMX kernel ({MODES[mode()]})")
+    first = judged(lib)
     if first.died or (check and not first.verdict):
         return None, first.verdict
     granted = request(lib)
