@@ -61,7 +61,7 @@ def test_interpreted_launches_give_the_vectors_bits_with_and_without_the_speed_u
     paths = {case.name: [p for p in available_paths(case) if p.startswith("triton")]
              for case in cases}
     assert all(len(held) >= 3 for held in paths.values()), paths
-    assert interpreter.installed()
+    assert interpreter.installed() and _types_shared()
     run(cases[0], paths[cases[0].name][0])  # Triton's first launch adds names to its modules
     before = _language()
     try:
@@ -125,3 +125,34 @@ def test_the_overflow_check_runs_only_where_its_verdict_counts():
         interpreter.uninstall()
         builder.options = shipped
         interpreter.install()
+
+
+def _types_shared() -> bool:
+    import triton.language as tl
+
+    return tl.core.block_type.__init__.__name__ == "shared_block_init"
+
+
+@needs_interpreter
+def test_the_shared_types_are_left_out_where_triton_builds_other_values(monkeypatch):
+    """Another Triton, planted: its tensors carry one more attribute, which the shared builder
+    would drop. install() compares, keeps Triton's own builders, and says so."""
+    import triton.language as tl
+
+    interpreter.uninstall()
+    shipped = tl.core.tensor.__init__
+
+    def init(self, handle, type):
+        shipped(self, handle, type)
+        self.origin = "another Triton"
+
+    monkeypatch.setattr(tl.core.tensor, "__init__", init)
+    try:
+        with pytest.warns(RuntimeWarning, match="builds its types as it ships"):
+            assert interpreter.install()
+        assert tl.core.tensor.__init__ is init and not _types_shared()
+    finally:
+        interpreter.uninstall()
+        monkeypatch.undo()
+        interpreter.install()
+    assert _types_shared()

@@ -1,4 +1,4 @@
-"""The Triton interpreter made faster for the suite, in three ways, its arithmetic untouched.
+"""The Triton interpreter made faster for the suite, in four ways, its arithmetic untouched.
 
 - **One language patch a launch.** Triton patches triton.language for the interpreter at each
   launch and restores it after, but also again at every call of a @triton.jit helper inside the
@@ -17,8 +17,14 @@
   unless the options' `debug` is set (it never is here). That dead work was about 30% of an
   interpreted launch. Here the check is asked for only where `debug` is set, so where it would
   decide something, it still runs.
+- **Types built once.** Each interpreted operation builds its result's types anew: a block type
+  (its shape validated, its name formatted), a tensor's shape as a tuple of constexprs, and the
+  numpy dtype, looked up in a dict built at every call. Here each is built once per distinct
+  type and its values shared, the same values: about 20% of an interpreted launch. The shared
+  builders are compared with Triton's own at install, and left out, saying so, where they differ
+  (another Triton).
 
-`install()` applies all three in this process (the suite's device module calls it where the Triton
+`install()` applies all four in this process (the suite's device module calls it where the Triton
 kernels are interpreted). tests/test_interpreter.py checks that the outputs are the same with
 and without, and that the language is as it was after a launch.
 """
@@ -31,7 +37,7 @@ import warnings
 __all__ = ["WIDE_FRAME_SLOTS", "install", "installed", "uninstall", "wide_frame_runner"]
 
 _originals: list = []  # (Triton's interpreter module, its _patch_lang, its launch, the builder's
-# options) once installed
+# options, the type builders replaced) once installed
 WIDE_FRAME_SLOTS = 33_000  # > 256 KiB of slots: the next power-of-two chunk, 512 KiB, keeps
 # ~250 KiB (thousands of frames) free above the frame
 _launch: dict = {"langs": None, "inner": []}  # the running launch's patched modules and scopes
@@ -121,14 +127,105 @@ def install() -> bool:
         return in_wide_frame(lambda: launch(self, *args, **kwargs))
 
     interpreter.GridExecutor.__call__ = launch_in_wide_frame
+    _originals.append(_share_types(interpreter, tl.core))
     return True
+
+
+def _share_types(interpreter, core) -> list:
+    """Triton's type builders replaced by ones that build each distinct type once (the module's
+    doc): [(owner, name, Triton's own)] to put back, empty where the shared ones would differ."""
+    import builtins
+    import math
+
+    block_type, tensor, ttuple, constexpr = core.block_type, core.tensor, core.tuple, core.constexpr
+    own = [(interpreter, "_get_np_dtype", interpreter._get_np_dtype),
+           (block_type, "__init__", block_type.__init__), (tensor, "__init__", tensor.__init__),
+           (ttuple, "__eq__", ttuple.__eq__)]
+    np_dtype, block_init, _, tuple_eq = (f for _, _, f in own)
+    dtypes: dict = {}  # a scalar type -> its numpy dtype (a block's is its element's)
+    blocks: dict = {}  # (class, element type, shape) -> a block type's attributes
+    shapes: dict = {}  # id(a block's shape) -> (numel, constexpr dims, their tuple type, shape)
+
+    def shared_np_dtype(ty):
+        key = ty.element_ty if type(ty) is block_type else ty
+        try:
+            return dtypes[key]
+        except KeyError:
+            found = dtypes[key] = np_dtype(ty)
+            return found
+        except TypeError:  # an unhashable type
+            return np_dtype(ty)
+
+    def shared_block_init(self, element_ty, shape):
+        try:
+            key = (type(self), element_ty, builtins.tuple(
+                d.value if type(d) is constexpr else d for d in shape))
+            built = blocks.get(key)
+        except TypeError:  # an unhashable element type or shape: built as Triton builds it
+            key = built = None
+        if built is None:
+            block_init(self, element_ty, shape)  # validated there: a bad shape raises as before
+            if key is not None:
+                blocks[key] = dict(vars(self))
+        else:
+            vars(self).update(built)
+
+    def shared_tensor_init(self, handle, type):
+        self.handle, self.type, self.dtype = handle, type, type.scalar
+        shape = type.shape if type.is_block() else ()
+        built = shapes.get(id(shape))
+        if built is None or built[3] is not shape:
+            if len(shapes) > 4096:  # shapes of unshared block types: keep none of them alive
+                shapes.clear()
+            dims = [constexpr(d) for d in shape]
+            built = shapes[id(shape)] = (constexpr(math.prod(shape)), dims,
+                                         core._type_for_tuple_values(dims), shape)
+        self.numel, self.shape = built[0], ttuple(built[1], built[2])
+
+    def shared_tuple_eq(self, other):  # a shape against a list of ints: no normalising walk
+        if type(other) is list and all(type(v) is int for v in other):
+            return constexpr(self.values == other)
+        return tuple_eq(self, other)
+
+    def sample(shared: bool) -> list:
+        """What the builders make of a few types, as comparable values."""
+        made = []
+        for element, shape in ((core.float32, [16, 2]), (core.int8, [constexpr(4)]),
+                               (core.pointer_type(core.int32), [8])):
+            block = block_type(element, shape)
+            for ty in (block, element):
+                t = tensor(None, ty)
+                made.append((sorted(vars(t)), t.type, list(t.shape), t.numel.value,
+                             [d.type for d in t.shape], t.shape.type.fields,
+                             (t.shape == list(block.shape)).value,
+                             (t.shape == [3]).value, interpreter._get_np_dtype(ty)))
+            made.append((sorted(vars(block)), list(block.shape), block.numel, block.name))
+        return made
+
+    try:
+        expected = sample(False)
+        shared = (shared_np_dtype, shared_block_init, shared_tensor_init, shared_tuple_eq)
+        for (owner, name, _), replacement in zip(own, shared, strict=True):
+            setattr(owner, name, replacement)
+        if sample(True) == expected:
+            return own
+        why = "they build other values than this Triton's own"
+    except Exception as e:  # noqa: BLE001 - any fault of the replacements leaves Triton's own
+        why = f"they fail on this Triton ({type(e).__name__}: {e})"
+    for owner, name, original in own:
+        setattr(owner, name, original)
+    warnings.warn(f"the Triton interpreter builds its types as it ships (slower): {why}",
+                  RuntimeWarning, stacklevel=3)
+    return []
 
 
 def uninstall() -> None:
     """The interpreter as Triton ships it again (for the tests that compare)."""
     if _originals:
-        interpreter, patch_lang, launch, options = _originals
+        interpreter, patch_lang, launch, options, types = _originals
         interpreter._patch_lang, interpreter.GridExecutor.__call__ = patch_lang, launch
         if options is not None:
             interpreter.interpreter_builder.options = options
+        for owner, name, original in types:
+            setattr(owner, name, original)
         _originals.clear()
