@@ -34,11 +34,12 @@ def test_planted_kernel_bug_is_caught_saved_and_replayed(tmp_path):
     env = {"EXACTNESS_MUTANT": bug, "EXACTNESS_COUNTEREXAMPLES": str(tmp_path),
            "TRITON_INTERPRET": "1"}
     # its reports apart: the repository's are the running make verify's (its tallies too); one
-    # worker: this test already runs beside others
-    verify = cli("verify", "--stage", "vectors", env={
+    # worker: this test already runs beside others; the CPU paths' checks only (the
+    # interpreted Triton ones, two thirds of the stage's time, cannot meet this bug)
+    verify = cli("verify", "--stage", "vectors", "--select", "not triton", env={
         **env, "EXACTNESS_REPORTS": str(tmp_path / "reports"), "EXACTNESS_WORKERS": "1"})
     assert verify.returncode == 1, verify.stdout
-    assert "NOT exact" in verify.stdout
+    assert "NOT exact" in verify.stdout and "-k 'not triton'" in verify.stdout
     files = sorted(tmp_path.glob("cpu-*.json"))
     assert files, verify.stdout
     doc = json.loads(files[0].read_text())

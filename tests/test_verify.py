@@ -9,9 +9,11 @@ import pytest
 from exactness.suite import verify
 
 
-def session_outcome(monkeypatch, tmp_path, returncode: int, cases: list[tuple[str, bool | str]]):
-    """Runs a two-stage PytestSession on a pytest stand-in that exits `returncode` and leaves a
-    JUnit XML of `cases` (classname, failed; "skip" for a skipped one); each stage's result."""
+def session_outcome(monkeypatch, tmp_path, returncode: int, cases: list[tuple[str, bool | str]],
+                    select: str | None = None):
+    """Runs a two-stage PytestSession (with `select`: only the checks -k picks) on a pytest
+    stand-in that exits `returncode` and leaves a JUnit XML of `cases` (classname, failed;
+    "skip" for a skipped one); each stage's result."""
     monkeypatch.setattr(verify, "REPORTS", tmp_path)
     session = verify.PytestSession("s")
     session.stage("first", "")
@@ -21,6 +23,7 @@ def session_outcome(monkeypatch, tmp_path, returncode: int, cases: list[tuple[st
 
     def fake_pytest(cmd, **kwargs):
         assert "--stage=first" in cmd and "--stage=second" in cmd
+        assert ("-k" in cmd) == bool(select) and (not select or cmd[cmd.index("-k") + 1] == select)
         body = "".join(f'<testcase classname="{name}" name="t{i}" time="1.5">'
                        + (f'<properties><property name="stage" value="{stage_of[name]}"/>'
                           f'</properties>' if name in stage_of else "")
@@ -33,12 +36,14 @@ def session_outcome(monkeypatch, tmp_path, returncode: int, cases: list[tuple[st
         return subprocess.CompletedProcess(cmd, returncode, "", "")
 
     monkeypatch.setattr(verify.subprocess, "run", fake_pytest)
-    return session.run("ci", ["first", "second"])
+    return session.run("ci", ["first", "second"], select=select)
 
 
-def test_each_stage_reads_its_own_tests(monkeypatch, tmp_path):
+@pytest.mark.parametrize("select", [None, "not triton"])
+def test_each_stage_reads_its_own_tests(monkeypatch, tmp_path, select):
     got = session_outcome(monkeypatch, tmp_path, 1, [
-        ("tests.test_a", True), ("tests.test_b", False), ("tests.test_c.TestClass", False)])
+        ("tests.test_a", True), ("tests.test_b", False), ("tests.test_c.TestClass", False)],
+        select)
     # a failure names its test and the first line of what it said
     assert got["first"].verdict == "failed" and got["first"].failures == ["tests.test_a::t0: boom"]
     assert got["second"].verdict == "passed" and got["second"].checks == 2
@@ -118,16 +123,17 @@ def test_the_suite_emulates_the_c_kernel_where_the_cpu_lacks_it(monkeypatch):
         vnni_library.mode()
 
 
-@pytest.mark.parametrize("profile, stages, verdict, recorded", [
-    ("thorough", None, "passed", True),
-    ("ci", None, "passed", False),  # the ci profile vouches for nothing thorough
-    ("smoke", None, "passed", False),
-    ("thorough", ["fake"], "passed", False),  # a subset of the stages
-    ("thorough", None, "failed", False),
-    ("thorough", None, "unknown", False),
+@pytest.mark.parametrize("profile, stages, verdict, recorded, select", [
+    ("thorough", None, "passed", True, None),
+    ("ci", None, "passed", False, None),  # the ci profile vouches for nothing thorough
+    ("smoke", None, "passed", False, None),
+    ("thorough", ["fake"], "passed", False, None),  # a subset of the stages
+    ("thorough", None, "passed", False, "vnni"),  # a subset of the checks
+    ("thorough", None, "failed", False, None),
+    ("thorough", None, "unknown", False, None),
 ])
 def test_only_an_exact_thorough_run_of_every_stage_is_recorded_for_the_gate(
-        monkeypatch, tmp_path, profile, stages, verdict, recorded):
+        monkeypatch, tmp_path, profile, stages, verdict, recorded, select):
     from exactness.suite import gate
 
     monkeypatch.setattr(verify, "REPORTS", tmp_path)
@@ -135,7 +141,8 @@ def test_only_an_exact_thorough_run_of_every_stage_is_recorded_for_the_gate(
         "fake", "", lambda profile: verify.StageResult("fake", verdict, checks=1))])
     calls = []
     monkeypatch.setattr(gate, "record_thorough_verdict", lambda *args: calls.append(args))
-    assert verify.run(profile, stages) == {"passed": 0, "failed": 1, "unknown": 3}[verdict]
+    assert verify.run(profile, stages, select=select) == {
+        "passed": 0, "failed": 1, "unknown": 3}[verdict]
     assert len(calls) == recorded
 
 
@@ -155,7 +162,9 @@ def test_a_kernel_refused_by_its_self_check_fails_make_verify(tmp_path):
     env = {**os.environ, "CC": str(planting), "XDG_CACHE_HOME": str(tmp_path / "cache"),
            "EXACTNESS_REPORTS": str(tmp_path / "reports"),  # not the running make verify's
            "EXACTNESS_WORKERS": "1"}
-    done = subprocess.run([sys.executable, "-m", "exactness", "verify", "--stage", "vectors"],
+    # the C paths' checks only: the interpreted Triton ones cannot meet this kernel
+    done = subprocess.run([sys.executable, "-m", "exactness", "verify", "--stage", "vectors",
+                           "--select", "not triton"],
                           cwd=verify.ROOT, env=env, capture_output=True, text=True)
     assert done.returncode == 1, done.stdout
     assert "NOT exact" in done.stdout and "self-check failed" in done.stdout, done.stdout

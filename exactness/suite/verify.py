@@ -4,7 +4,9 @@ Each stage gives a verdict in Alive2's words: proved/passed, refuted/failed (wit
 or unknown; never a silent pass. A stage any of whose checks skipped is unknown: a check that
 did not run here vouches for nothing. Stages that are test selections run pytest in a
 subprocess in the chosen Hypothesis profile, those of one PytestSession together, and write
-JUnit XML beside the JSON report. `--shard I/N` runs one shard of a CI matrix (stage_shard).
+JUnit XML beside the JSON report. `--shard I/N` runs one shard of a CI matrix (stage_shard);
+`--select EXPR` only the pytest checks pytest's `-k EXPR` picks (one kernel's, while working on
+it), and its verdict vouches for those alone.
 """
 
 from __future__ import annotations
@@ -67,11 +69,11 @@ class PytestSession:
         self.what[name] = what
         return Stage(name, what, session=self)
 
-    def run(self, profile: str, stages: list[str],
-            shard: tuple[int, int] | None = None) -> dict[str, StageResult]:
+    def run(self, profile: str, stages: list[str], shard: tuple[int, int] | None = None,
+            select: str | None = None) -> dict[str, StageResult]:
         """The chosen `stages` of this session, run together (their tests of one `shard` (i, n)
-        where given): {stage: its result}; a stage's seconds are its tests' own times (the
-        session's wall time is shared)."""
+        where given, those pytest's `-k select` picks where given): {stage: its result}; a
+        stage's seconds are its tests' own times (the session's wall time is shared)."""
         if self.kill_only and profile == "ci":
             profile = "ci-kill"
         junit = REPORTS / f"junit-{self.name}.xml"
@@ -82,7 +84,8 @@ class PytestSession:
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", workers,
                "--dist", self.dist, f"--junitxml={junit}",
                *(f"--stage={stage}" for stage in stages),
-               *([f"--shard={shard[0]}/{shard[1]}"] if shard else [])]
+               *([f"--shard={shard[0]}/{shard[1]}"] if shard else []),
+               *(["-k", select] if select else [])]
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         results = {name: StageResult(name, "passed", detail=self.what[name]) for name in stages}
         if junit.exists():
@@ -215,6 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard", type=parse_shard, metavar="I/N",
                         help="run shard I of N (a CI matrix): every N-th test of the pytest "
                              "stages, and the other stages shared out (stage_shard)")
+    parser.add_argument("--select", metavar="EXPR",
+                        help="only the pytest stages' checks whose names pytest's -k EXPR picks "
+                             "(e.g. vnni): the verdict vouches for those alone")
     args = parser.parse_args(argv)
     if args.thorough and args.smoke:
         parser.error("--thorough and --smoke are two profiles: name one")
@@ -223,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
                       ["verify", *(sys.argv[1:] if argv is None else argv)])
     device.require()
     return run("thorough" if args.thorough else "smoke" if args.smoke else "ci", args.stage,
-               args.shard)
+               args.shard, args.select)
 
 
 def parse_shard(text: str) -> tuple[int, int]:
@@ -246,10 +252,11 @@ def stage_shard(stage: Stage, n: int) -> int | None:
 
 
 def run(profile: str = "ci", stages: list[str] | None = None,
-        shard: tuple[int, int] | None = None) -> int:
-    """Every stage (or the chosen `stages`; with `shard` (i, n) its share of them) in the
-    Hypothesis `profile` (ci, thorough or smoke), the table, the reports: 0 iff exact, 1 where
-    a stage failed, UNKNOWN_EXIT where none failed but one is unknown."""
+        shard: tuple[int, int] | None = None, select: str | None = None) -> int:
+    """Every stage (or the chosen `stages`; with `shard` (i, n) its share of them; with
+    `select` only the pytest checks pytest's -k picks) in the Hypothesis `profile` (ci,
+    thorough or smoke), the table, the reports: 0 iff exact, 1 where a stage failed,
+    UNKNOWN_EXIT where none failed but one is unknown."""
     from .mutants import from_env
     from .profiles import THOROUGH_EXAMPLES, thorough_examples
 
@@ -263,7 +270,8 @@ def run(profile: str = "ci", stages: list[str] | None = None,
     mutant = from_env()
     print(f"exactness verify  (Hypothesis profile: {shown}"
           f"{f', planted mutant: {mutant.name}' if mutant else ''}"
-          f"{f', shard {shard[0]}/{shard[1]}' if shard else ''})", flush=True)
+          f"{f', shard {shard[0]}/{shard[1]}' if shard else ''}"
+          f"{f', only the checks -k {select!r} picks' if select else ''})", flush=True)
     from .paths import emulate_the_c_kernel_where_missing
 
     c_kernel = emulate_the_c_kernel_where_missing()
@@ -293,7 +301,7 @@ def run(profile: str = "ci", stages: list[str] | None = None,
                 result.compared = _compared(counts)
             else:
                 together = [s.name for s in chosen if s.session is session]
-                done.update(session.run(profile, together, shard))
+                done.update(session.run(profile, together, shard, select))
                 for name in together:
                     done[name].compared = _compared(counts, name)
                 if len(together) > 1:
@@ -318,12 +326,12 @@ def run(profile: str = "ci", stages: list[str] | None = None,
     ok = all(r.verdict == "passed" for r in results)
     report = {"verdict": "exact" if ok else "NOT exact", "profile": shown, "device": ran_on,
               "mutant": mutant.name if mutant else None, "c_kernel": c_kernel,
-              "shard": f"{shard[0]}/{shard[1]}" if shard else None,
+              "shard": f"{shard[0]}/{shard[1]}" if shard else None, "select": select,
               "seconds": round(time.perf_counter() - begin, 1),
               "outputs_compared": sum(r.compared for r in results),
               "stages": [asdict(r) for r in results]}
     # a shard, a subset or fewer examples vouch for part of the thorough profile only
-    if ok and thorough and not stages and not mutant and not shard and \
+    if ok and thorough and not stages and not mutant and not shard and not select and \
             examples == THOROUGH_EXAMPLES:
         gate.record_thorough_verdict(verifying, report["seconds"])
     name = f"verify-shard-{shard[0]}-of-{shard[1]}" if shard else "verify"
