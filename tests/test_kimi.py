@@ -468,23 +468,34 @@ def test_a_model_matching_no_routed_expert_is_refused(tmp_path, wrap):
 # --------------------------------------------------------------------------- the CLI
 
 
-def kimi_cli(directory, *args):
-    return subprocess.run([sys.executable, "-m", "exactness", "kimi", str(directory), *args],
-                          capture_output=True, text=True, cwd=Path(__file__).parent.parent)
+def kimi_cli(capsys, directory, *args) -> subprocess.CompletedProcess:
+    """`python -m exactness kimi DIRECTORY ARGS`, through its main in this process (2 s less
+    than a new one: the test below runs it as a command): the exit code and what it printed.
+    A traceback would be an exception here, and fail the test."""
+    from exactness.__main__ import main
+
+    try:
+        code = main(["kimi", str(directory), *args])
+    except SystemExit as e:  # argparse's refusals
+        code = e.code
+    printed = capsys.readouterr()
+    return subprocess.CompletedProcess(args, code, printed.out, printed.err)
 
 
 def test_cli_passes_on_a_good_checkpoint(tmp_path):
     ckpt = write_checkpoint(tmp_path / "ok", k25=True)
-    done = kimi_cli(ckpt, "--experts", "1", "2")
+    done = subprocess.run([sys.executable, "-m", "exactness", "kimi", str(ckpt), "--experts",
+                           "1", "2"], capture_output=True, text=True,
+                          cwd=Path(__file__).parent.parent)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "PASSED" in done.stdout and "outputs compared bit for bit" in done.stdout
     assert "experts                           2" in done.stdout
 
 
-def test_cli_fails_clearly_on_a_corrupted_checkpoint(tmp_path):
+def test_cli_fails_clearly_on_a_corrupted_checkpoint(tmp_path, capsys):
     ckpt = corrupt(tmp_path, lambda c: rewrite_tensor(
         c, f"{NAME}.weight_scale", torch.full((32, 2), float("inf"), dtype=torch.bfloat16)))
-    done = kimi_cli(ckpt)
+    done = kimi_cli(capsys, ckpt)
     assert done.returncode == 1 and "FAILED" in done.stdout
     assert f"{NAME}" in done.stdout and ".safetensors" in done.stdout
     assert "non-finite" in done.stdout
@@ -503,23 +514,23 @@ def assert_one_line_failure(done, *names):
     ("config.json", "{", "config.json"),
     ("model.safetensors.index.json", '{"weight_map": 3}', "weight_map"),
 ], ids=["config-not-json", "weight-map-not-an-object"])
-def test_cli_fails_in_one_line_on_malformed_json(tmp_path, file, text, key):
+def test_cli_fails_in_one_line_on_malformed_json(tmp_path, capsys, file, text, key):
     ckpt = write_checkpoint(tmp_path / "bad")
     (ckpt / file).write_text(text)
-    assert_one_line_failure(kimi_cli(ckpt), file, key)
+    assert_one_line_failure(kimi_cli(capsys, ckpt), file, key)
 
 
-def test_cli_fails_in_one_line_on_a_malformed_header(tmp_path):
+def test_cli_fails_in_one_line_on_a_malformed_header(tmp_path, capsys):
     ckpt = write_checkpoint(tmp_path / "bad", single_file=True)
     (ckpt / "model.safetensors").write_bytes(header_not_json(
         (ckpt / "model.safetensors").read_bytes()))
-    assert_one_line_failure(kimi_cli(ckpt), "model.safetensors", "header")
+    assert_one_line_failure(kimi_cli(capsys, ckpt), "model.safetensors", "header")
 
 
 @pytest.mark.parametrize("tokens", ["0", "-1"])
-def test_cli_refuses_non_positive_tokens(tmp_path, tokens):
+def test_cli_refuses_non_positive_tokens(tmp_path, capsys, tokens):
     ckpt = write_checkpoint(tmp_path / "ok")
-    done = kimi_cli(ckpt, "--tokens", tokens)
+    done = kimi_cli(capsys, ckpt, "--tokens", tokens)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stdout + done.stderr
     assert f"--tokens: must be a positive integer, got {tokens}" in done.stderr
 
