@@ -233,7 +233,8 @@ def catalogue(args) -> list[ob.Obligation]:
     if not args.no_rounding:
         out += [ob.rounding(f) for f in ob.ROUNDING_FORMATS]
         out += [ob.rounding_normal(f) for f in ob.ROUNDING_FORMATS]
-    return out
+    only = getattr(args, "only", None)
+    return [o for o in out if o.name.startswith(tuple(only))] if only else out
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -248,6 +249,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--json", action="store_true", help="print a JSON list of verdicts")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds per obligation")
     parser.add_argument("--no-rounding", action="store_true", help="skip the rounding proofs")
+    parser.add_argument("--only", action="append", metavar="NAME",
+                        help="only the obligations whose names start with NAME (repeatable)")
     parser.add_argument("--no-cache", action="store_true",
                         help="prove everything afresh: no cache, no recorded verdicts")
     parser.add_argument("--record", action="store_true",
@@ -263,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     for k in args.k or ():
         if k <= 0 or k % GROUP_SIZE:
             parser.error(f"--k must be a positive multiple of {GROUP_SIZE}, got {k}")
-    narrowed = [f for f in ("w_bits", "a_bits", "k", "acc_bits", "spread", "no_rounding")
+    narrowed = [f for f in ("w_bits", "a_bits", "k", "acc_bits", "spread", "no_rounding", "only")
                 if getattr(args, f) not in (None, False)]
     if args.record and narrowed:
         parser.error(f"--record proves the whole catalogue: drop {narrowed}")
@@ -271,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     global _JOBS
     _JOBS = [(o, args.timeout, cache) for o in catalogue(args)]
+    if not _JOBS:
+        parser.error(f"--only {' '.join(args.only)} names no obligation of this catalogue")
     # the slow ones first (the rounding proofs, fp32's the slowest, last in the catalogue), so
     # that the processes finish together; rows still print in catalogue order
     order = sorted(range(len(_JOBS)), key=lambda i: (not _JOBS[i][0].tactic, -i))
