@@ -45,12 +45,13 @@ def source(emulated: bool, amx_source: str | None = None) -> str:
     return "\n".join((vnni_library.SOURCE.read_text(), tiles, amx_source or SOURCE.read_text()))
 
 
-def build(amx_source: str | None = None) -> tuple[ctypes.CDLL | None, Fit]:
-    """The library compiled (emulated tiles where EXACTNESS_AMX=emulate) and its entry points'
-    signatures set, never yet run; or None and why not."""
+def build(amx_source: str | None = None,
+          extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, Fit]:
+    """The library compiled (emulated tiles where EXACTNESS_AMX=emulate; `extra_flags` last)
+    and its entry points' signatures set, never yet run; or None and why not."""
     emulated = mode() == "emulate"
     lib, why = vnni_library.build(source(emulated, amx_source),
-                                  EMULATED_FLAGS if emulated else FLAGS)
+                                  (*(EMULATED_FLAGS if emulated else FLAGS), *extra_flags))
     return (bind(lib), why) if lib is not None else (None, why)
 
 
@@ -81,11 +82,12 @@ def judged(lib):
     return vnni_library.judged(lib, CHECK, f"the AMX kernel ({MODES[mode()]})")
 
 
-def load(amx_source: str | None = None, check: bool = True) -> tuple[ctypes.CDLL | None, Fit]:
+def load(amx_source: str | None = None, check: bool = True,
+         extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, Fit]:
     """The library built, its first run (the self-check) done in a child process, then the tile
     state granted here; None and why not. A child that dies refuses it; with `check`, so does a
     failed self-check (check=False is for planted bugs: exactness.suite.mutants)."""
-    lib, why = build(amx_source)
+    lib, why = build(amx_source, extra_flags)
     if lib is None:
         return None, why
     first = judged(lib)
