@@ -81,6 +81,8 @@ class PytestSession:
         env = dict(os.environ, HYPOTHESIS_PROFILE=profile, EXACTNESS_FIRST_KILLER="1",
                    EXACTNESS_DEVICE=device.chosen())  # this process's device (run)
         workers = os.environ.get("EXACTNESS_WORKERS", "2")  # the CI machine's 2 cores
+        if workers == "1":  # one worker is this process: no xdist controller beside it
+            workers = "0"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", workers,
                "--dist", self.dist, f"--junitxml={junit}",
                *(f"--stage={stage}" for stage in stages),
