@@ -27,7 +27,7 @@ __all__ = ["DEVICES", "DeviceError", "chosen", "describe", "require", "restart_o
            "triton_torch_device"]
 
 if launch.INTERPRETED:
-    interpreter.install()  # the suite's interpreted launches, 2-3x faster
+    interpreter.install()  # the suite's interpreted launches, 2.5-4x faster
 
 
 def chosen() -> str | None:
