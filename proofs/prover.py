@@ -233,8 +233,7 @@ def catalogue(args) -> list[ob.Obligation]:
     if not args.no_rounding:
         out += [ob.rounding(f) for f in ob.ROUNDING_FORMATS]
         out += [ob.rounding_normal(f) for f in ob.ROUNDING_FORMATS]
-    only = getattr(args, "only", None)
-    return [o for o in out if o.name.startswith(tuple(only))] if only else out
+    return [o for o in out if o.name.startswith(tuple(args.only))] if args.only else out
 
 
 def _parser() -> argparse.ArgumentParser:
