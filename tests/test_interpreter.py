@@ -156,3 +156,58 @@ def test_the_shared_types_are_left_out_where_triton_builds_other_values(monkeypa
         monkeypatch.undo()
         interpreter.install()
     assert _types_shared()
+
+
+def _operands_shared() -> bool:
+    from triton.language.semantic import TritonSemantic
+
+    return TritonSemantic.broadcast_impl_value.__name__ == "shared_broadcast"
+
+
+@needs_interpreter
+def test_the_shared_operands_are_left_out_where_triton_broadcasts_otherwise(monkeypatch):
+    """Another Triton, planted: its splat of a scalar widens it, which a shared splat would not
+    do. install() compares, keeps Triton's own broadcasting, and says so."""
+    import numpy as np
+    from triton.runtime import interpreter as triton_interpreter
+
+    interpreter.uninstall()
+    shipped = triton_interpreter.InterpreterBuilder.create_splat
+
+    def splat(self, ret_ty, arg):
+        made = shipped(self, ret_ty, arg)
+        return triton_interpreter.TensorHandle(made.data.astype(np.int64), made.dtype)
+
+    monkeypatch.setattr(triton_interpreter.InterpreterBuilder, "create_splat", splat)
+    try:
+        with pytest.warns(RuntimeWarning, match="broadcasts operands as it ships"):
+            assert interpreter.install()
+        assert not _operands_shared()
+    finally:
+        interpreter.uninstall()
+        monkeypatch.undo()
+        interpreter.install()
+    assert _operands_shared()
+
+
+@needs_interpreter
+def test_a_shared_splat_is_read_only_and_keyed_by_its_bits():
+    """+0.0 and -0.0 compare equal but are two splats; a write into a shared one raises."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter as triton_interpreter
+
+    semantic = triton_interpreter.interpreter_semantic
+    block = tl.core.block_type(tl.float32, [2])
+
+    def tensor(value, ty):
+        data = np.full(ty.shape if ty.is_block() else (1,), value, dtype=np.float32)
+        return tl.core.tensor(triton_interpreter.TensorHandle(data, tl.float32), ty)
+
+    ones = tensor(1.0, block)
+    plus = semantic.broadcast_impl_value(ones, tensor(0.0, tl.float32))[1].handle.data
+    minus = semantic.broadcast_impl_value(ones, tensor(-0.0, tl.float32))[1].handle.data
+    assert _operands_shared() and np.signbit(minus).all() and not np.signbit(plus).any()
+    assert semantic.broadcast_impl_value(ones, tensor(-0.0, tl.float32))[1].handle.data is minus
+    with pytest.raises(ValueError, match="read-only"):
+        minus[0] = 1.0
