@@ -579,10 +579,12 @@ def test_batch_and_permutation_invariance(case, random):
         whole = tensor_to_bits(layer(x))
         order = list(range(x.shape[0]))
         random.shuffle(order)
-        assert (tensor_to_bits(layer(x[order])) == whole[order]).all()
+        # the rows shuffled, under a leading dimension (one call for both: a third fewer calls
+        # of the interpreted Triton kernels, the test's time)
+        shuffled = tensor_to_bits(layer(x[order].reshape(1, *x.shape)))
+        assert shuffled.shape == (1, *whole.shape) and (shuffled[0] == whole[order]).all()
         r = random.randrange(x.shape[0])
         assert (tensor_to_bits(layer(x[r:r + 1])) == whole[r:r + 1]).all()
-        assert (tensor_to_bits(layer(x.reshape(1, *x.shape))) == whole).all()  # leading dims
 
 
 def test_determinism_across_runs():

@@ -24,7 +24,26 @@ def cli(*args, env=None):
                           capture_output=True, env={**os.environ, **(env or {})})
 
 
-def test_planted_kernel_bug_is_caught_saved_and_replayed(tmp_path):
+@pytest.fixture
+def cli_here(capsys, monkeypatch):
+    """`python -m exactness ARGS` through its main in this process, with `env` set for the call
+    (EXACTNESS_MUTANT plants its mutant for the call alone): a new Python costs 3-5 s, and
+    test_cli_refuses_a_bad_file_in_one_line_and_still_replays_the_others runs the command."""
+    from exactness.__main__ import main
+
+    def run(*args, env=None):
+        capsys.readouterr()
+        with monkeypatch.context() as scope:
+            for name, value in (env or {}).items():
+                scope.setenv(name, value)
+            code = main(list(args))
+        printed = capsys.readouterr()
+        return subprocess.CompletedProcess(args, code, printed.out, printed.err)
+
+    return run
+
+
+def test_planted_kernel_bug_is_caught_saved_and_replayed(tmp_path, cli_here):
     from exactness.kernels.cpu import vnni_library
 
     # the CPU path's activation exponent off by one: in the C kernel, or where that does not run
@@ -45,14 +64,14 @@ def test_planted_kernel_bug_is_caught_saved_and_replayed(tmp_path):
     doc = json.loads(files[0].read_text())
     assert doc["format"] == "exactness-counterexample" and doc["path"] == "cpu"
     assert doc["expected_bits"] != doc["actual_bits"]
-    still = cli("repro", str(files[0]), env=env)
+    still = cli_here("repro", str(files[0]), env=env)
     assert still.returncode == 1 and "DIFFERS" in still.stdout
     assert "first differing bit" in still.stdout and re.search(r"row \d+, out \d+", still.stdout)
-    fixed = cli("repro", str(files[0]), env={"TRITON_INTERPRET": "1"})
+    fixed = cli_here("repro", str(files[0]))
     assert fixed.returncode == 0 and "fixed" in fixed.stdout, fixed.stdout
 
 
-def test_planted_grouped_kernel_bug_is_caught_saved_and_replayed(tmp_path):
+def test_planted_grouped_kernel_bug_is_caught_saved_and_replayed(tmp_path, cli_here):
     """A grouped kernel's bug (the neighbouring expert's weights) fails the grouped projection
     property, which leaves a counterexample with its routing; it replays as still failing under
     the bug, naming the expert, and as fixed without it."""
@@ -69,9 +88,9 @@ def test_planted_grouped_kernel_bug_is_caught_saved_and_replayed(tmp_path):
     files = sorted(tmp_path.glob("vnni-grouped-*.json"))
     assert files, test.stdout[-2000:]
     assert json.loads(files[0].read_text())["routing"]
-    still = cli("repro", "--path", "vnni-grouped", str(files[0]), env=env)
+    still = cli_here("repro", "--path", "vnni-grouped", str(files[0]), env=env)
     assert still.returncode == 1 and "DIFFERS" in still.stdout and "expert" in still.stdout
-    fixed = cli("repro", str(files[0]), env={"TRITON_INTERPRET": "1"})
+    fixed = cli_here("repro", str(files[0]))
     assert fixed.returncode == 0 and "fixed" in fixed.stdout, fixed.stdout
 
 
