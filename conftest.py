@@ -2,7 +2,11 @@
 Triton kernels run on (EXACTNESS_DEVICE: exactness.suite.device), the C kernel emulated where the
 CPU lacks AVX-512 VNNI, and a planted mutant where EXACTNESS_MUTANT names one."""
 
+import functools
 import os
+import re
+
+import pytest
 
 # One device for the whole suite: EXACTNESS_DEVICE (exactness.suite.device); where it is unset
 # and there is no GPU, the interpreter (set before triton is first imported: it is read then).
@@ -54,10 +58,37 @@ def stage_of(item) -> str | None:
     return marker.args[0] if marker else None
 
 
+_STAGE_MARK = re.compile(r"""mark\.stage\(\s*["']([\w-]+)["']""")
+
+
+@functools.cache
+def stages_named_in(path) -> frozenset[str]:
+    """The stages a test module's text names in a stage mark, read without importing it."""
+    return frozenset(_STAGE_MARK.findall(path.read_text()))
+
+
+def pytest_ignore_collect(collection_path, config):
+    """--stage: a test module that names none of the chosen stages is not imported, since every
+    test in it would be deselected (an import is seconds: transformers, compressed-tensors, in
+    each worker). A full collection checks that the text names every stage a test carries."""
+    chosen = config.getoption("stage")
+    if chosen and collection_path.is_file() and collection_path.suffix == ".py" and \
+            collection_path.name.startswith("test_") and \
+            not stages_named_in(collection_path) & set(chosen):
+        return True
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     """--stage keeps the chosen stages' tests, --shard one shard of them; every test records its
     stage for the JUnit XML make verify reads (a user property)."""
     chosen, shard = config.getoption("stage"), config.getoption("shard")
+    if not chosen:
+        unread = sorted({f"{item.path.name}: {stage_of(item)}" for item in items if stage_of(item)
+                         and stage_of(item) not in stages_named_in(item.path)})
+        if unread:  # --stage would skip these modules' tests unseen (pytest_ignore_collect)
+            raise pytest.UsageError(f"a stage mark --stage cannot read in the module's text "
+                                    f"(write it as pytest.mark.stage(\"name\")): {unread}")
     if chosen or shard:
         kept = [item for item in items if not chosen or stage_of(item) in chosen]
         if shard:

@@ -53,6 +53,55 @@ def test_each_stage_reads_its_own_tests(monkeypatch, tmp_path, select):
                                            "tests.test_c.TestClass::t2": 1.5}
 
 
+def test_stage_modules_are_read_without_importing_them(tmp_path):
+    """--stage skips a module whose text names none of the chosen stages (never imported); a
+    module naming one, by pytestmark or a test's own mark, is collected; without --stage,
+    everything is."""
+    import conftest
+
+    class Config:
+        def __init__(self, stages):
+            self.stages = stages
+
+        def getoption(self, name):
+            return self.stages
+
+    whole = tmp_path / "test_whole.py"
+    whole.write_text('pytestmark = pytest.mark.stage("equivalence")\n')
+    one = tmp_path / "test_one.py"
+    one.write_text('pytestmark = pytest.mark.stage("reliability")\n'
+                   '@pytest.mark.stage( \'vectors\')\ndef test_a(): pass\n')
+    helper = tmp_path / "data.py"  # not a test module: pytest's own rules decide
+    helper.write_text("")
+    assert conftest.stages_named_in(one) == {"reliability", "vectors"}
+    ignored = {path.name for path in (whole, one, helper)
+               if conftest.pytest_ignore_collect(path, Config(["vectors"]))}
+    assert ignored == {"test_whole.py"}
+    assert not any(conftest.pytest_ignore_collect(path, Config([])) for path in (whole, one))
+
+
+def test_a_stage_mark_the_text_does_not_name_is_refused(tmp_path):
+    """A stage given by a variable would be invisible to that reading: --stage would drop its
+    tests unseen. A full collection refuses it, naming the module."""
+    import conftest
+
+    hidden = tmp_path / "test_hidden.py"
+    hidden.write_text('STAGE = "vectors"\npytestmark = pytest.mark.stage(STAGE)\n')
+
+    class Item:
+        path, nodeid = hidden, "test_hidden.py::test_a"
+
+        def get_closest_marker(self, name):
+            return pytest.mark.stage("vectors").mark
+
+    class Config:
+        def getoption(self, name):
+            return [] if name == "stage" else None
+
+    with pytest.raises(pytest.UsageError, match="test_hidden.py: vectors"):
+        conftest.pytest_collection_modifyitems(Config(), [Item()])
+
+
 @pytest.mark.parametrize("returncode, cases", [
     (2, [("tests.test_a", False), ("tests.test_b", False)]),  # a collection error
     (1, [("tests.test_a", False), ("tests.test_b", False), ("tests.test_x", True)]),  # elsewhere
