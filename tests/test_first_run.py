@@ -3,6 +3,8 @@ child process (kernels/first_run.py). Planted kernels that die there (an illegal
 wild pointer, a division by zero, a hang) are refused by name: in the verdict, in `plan(x)` and
 in the one fallback warning. The test process survives, and the forward's bits stay exact."""
 
+import os
+import secrets
 import subprocess
 import warnings
 
@@ -88,9 +90,10 @@ def test_the_verdict_is_cached_by_build_and_cpu_so_the_child_runs_once(fresh, mo
     def no_child(*args, **kwargs):
         raise AssertionError("a second child ran")
 
-    monkeypatch.setattr(subprocess, "run", no_child)
+    monkeypatch.setattr(first_run, "_child", no_child)  # a fork of the server or a new Python
     assert vnni_library.judged(lib) == first  # the same build on the same CPU: from the cache
-    monkeypatch.setattr(toolchain, "machine", lambda: "another cpu")
+    another = f"another cpu {secrets.token_hex(8)}"  # never judged: the cache is the machine's
+    monkeypatch.setattr(toolchain, "machine", lambda: another)
     with pytest.raises(AssertionError, match="a second child ran"):
         vnni_library.judged(lib)  # another CPU's flags: judged afresh
 
@@ -147,3 +150,55 @@ def test_real_tiles_run_without_the_tile_state_die_in_the_child_not_here(monkeyp
         assert "the AMX kernel (real tiles)" in outcome.verdict.why
     else:
         assert outcome.verdict.ok, outcome.verdict.why
+
+
+def probe(tmp_path, value: str) -> first_run.FirstRun:
+    """A first run of tests.crashing_kernels:environment_seen with EXACTNESS_PROBE=value (a file
+    of its own: verdicts are cached beside it)."""
+    os.environ["EXACTNESS_PROBE"] = value
+    file = tmp_path / f"probe-{value}.so"
+    file.write_bytes(b"")
+    return first_run.run(file, value, "tests.crashing_kernels:environment_seen", "a probe",
+                         toolchain.machine())
+
+
+def test_each_first_run_is_a_fork_that_sees_its_callers_environment(tmp_path, monkeypatch):
+    """After the first, a first run starts no Python: it is a fork of the fork server, which
+    imported torch once. Each still sees the environment and folder of its call, not those the
+    server started with."""
+    monkeypatch.setenv("EXACTNESS_PROBE", "")
+    assert probe(tmp_path, "first").verdict.why == f"first in {os.getcwd()}"
+
+    def no_python(*args, **kwargs):
+        raise AssertionError("a new Python started")
+
+    monkeypatch.setattr(subprocess, "run", no_python)
+    monkeypatch.setattr(subprocess, "Popen", no_python)
+    monkeypatch.chdir(tmp_path)
+    assert probe(tmp_path, "second").verdict.why == f"second in {tmp_path}"
+
+
+def test_a_failed_fork_server_gives_way_to_a_fresh_python_saying_so_once(tmp_path, monkeypatch):
+    server = first_run._ForkServer()
+    monkeypatch.setattr(first_run, "_SERVER", server)
+    monkeypatch.setenv("EXACTNESS_PROBE", "")
+
+    def broken(*args):
+        raise OSError("a planted fault")
+
+    monkeypatch.setattr(server, "_ask", broken)
+    with pytest.warns(RuntimeWarning, match=r"fresh Python each .* \(OSError: a planted fault\)"):
+        assert probe(tmp_path, "first").verdict.why.startswith("first in ")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert probe(tmp_path, "second").verdict.why.startswith("second in ")
+
+
+def test_the_fork_server_refuses_a_child_that_dies_and_serves_the_next(tmp_path):
+    """A child killed by a signal is reported as such, and the server lives on."""
+    lib, _ = vnni_library.build(stub(CRASHES["SIGSEGV"]))
+    assert "died of SIGSEGV" in vnni_library.judged(lib).verdict.why
+    process = first_run._SERVER.process
+    assert process is not None and process.poll() is None
+    assert probe(tmp_path, "after").verdict.why.startswith("after in ")
+    assert first_run._SERVER.process is process

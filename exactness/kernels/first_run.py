@@ -8,6 +8,10 @@ entry points, and never calls it before the child's verdict. A child that dies, 
 verdict within EXACTNESS_FIRST_RUN_SECONDS (default 120), refuses the library, naming the signal
 and the build. The caller then runs its exact slower path.
 
+Each child is forked from one fork server a process starts at its first first run
+(fork_server.py: a Python that imported torch once, 2 s a run saved). Where that server cannot
+start or fails, the child is a fresh Python, as before, and the process says why once.
+
 A verdict is cached beside the library in the kernels' private cache. It is keyed by the
 library's digest, the CPU's flags and the checking code (the modules of its wing), so the child
 runs once per build and machine, not once per process. A timeout is not cached: a loaded
@@ -27,6 +31,8 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -99,7 +105,7 @@ def _child(file: Path, digest: str, check: str, build: str) -> tuple[FirstRun, b
         p for p in (root, os.environ.get("PYTHONPATH")) if p)}
     limit = seconds()
     try:
-        child = subprocess.run(
+        child = _SERVER.run([check, str(file), digest], env, limit) or subprocess.run(
             [sys.executable, "-c", CHILD, check, str(file), digest],
             capture_output=True, text=True, timeout=limit, env=env)
     except subprocess.TimeoutExpired:
@@ -119,6 +125,70 @@ def _child(file: Path, digest: str, check: str, build: str) -> tuple[FirstRun, b
     tail = (child.stderr.strip().splitlines() or ["no output"])[-1][-300:]
     return FirstRun(no(f"its first run's child process exited with status {child.returncode} "
                        f"and no verdict ({build}): {tail}"), True), False
+
+
+class _ForkServer:
+    """This process's fork server (fork_server.py), started at the first first run. run() gives
+    the child's outcome as subprocess.run would, or None where the server failed: then every
+    later child is a fresh Python, and a RuntimeWarning says why, once."""
+
+    START_SECONDS = 120.0  # a reply's wait beyond the run's own limit: the server's start-up
+
+    def __init__(self):
+        self.process: subprocess.Popen | None = None
+        self.failed: str | None = None if hasattr(os, "fork") else "os.fork is missing here"
+        self.lock = threading.Lock()  # one run at a time on the server's pipes
+
+    def run(self, argv: list[str], env: dict, limit: float) -> subprocess.CompletedProcess | None:
+        with self.lock:
+            if self.failed is not None:
+                return None
+            try:
+                reply = self._ask({"argv": argv, "env": env, "cwd": os.getcwd(),
+                                   "seconds": limit}, env, limit)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                self._fail(f"{type(e).__name__}: {e}")
+                return None
+        if reply["timed_out"]:
+            raise subprocess.TimeoutExpired(argv, limit)
+        return subprocess.CompletedProcess(argv, int(reply["returncode"]), str(reply["stdout"]),
+                                           str(reply["stderr"]))
+
+    def _ask(self, request: dict, env: dict, limit: float) -> dict:
+        if self.process is None or self.process.poll() is not None:
+            self.process = subprocess.Popen(
+                [sys.executable, "-P", str(Path(__file__).with_name("fork_server.py"))], env=env,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                text=True)
+        self.process.stdin.write(json.dumps(request) + "\n")
+        self.process.stdin.flush()
+        line = _read_line(self.process.stdout, limit + self.START_SECONDS)
+        if not line:
+            raise OSError(f"the server gave no reply within {limit + self.START_SECONDS:g} s "
+                          f"(exit status {self.process.poll()})")
+        return json.loads(line)
+
+    def _fail(self, why: str) -> None:
+        self.failed = why
+        if self.process is not None:
+            self.process.kill()
+            self.process.wait()
+        warnings.warn(f"first runs start a fresh Python each (2 s slower): their fork server "
+                      f"failed ({why})", RuntimeWarning, stacklevel=4)
+
+
+def _read_line(stream, seconds: float) -> str:
+    """A line of the server's reply, or "" where none came within `seconds` (or it closed)."""
+    import selectors
+
+    with selectors.DefaultSelector() as selector:
+        selector.register(stream, selectors.EVENT_READ)
+        if not selector.select(seconds):
+            return ""
+    return stream.readline()
+
+
+_SERVER = _ForkServer()
 
 
 def _save(cached: Path, outcome: FirstRun) -> None:
