@@ -10,6 +10,10 @@ export HYPOTHESIS_PROFILE
 DEVICE ?= interpret
 export EXACTNESS_DEVICE := $(DEVICE)
 PYTEST_ARGS ?= -n 2
+# Python's bytecode caches written (__pycache__, ignored by git) even where the environment
+# turns them off: make verify starts about 40 Pythons, and without them each compiles the
+# package again, and each pytest its tests' rewritten asserts (2 s of a pytest's start-up).
+unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: gpu-wheels setup test verify lint prove bench mutants mutmut repro precision peers clean
 
