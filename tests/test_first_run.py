@@ -202,3 +202,18 @@ def test_the_fork_server_refuses_a_child_that_dies_and_serves_the_next(tmp_path)
     assert process is not None and process.poll() is None
     assert probe(tmp_path, "after").verdict.why.startswith("after in ")
     assert first_run._SERVER.process is process
+
+
+def test_a_forked_process_starts_its_own_fork_server(tmp_path, monkeypatch):
+    """A process forked from one with a server (a serving stack's workers) must not write to
+    its parent's pipes: two processes' requests and replies would cross."""
+    server = first_run._ForkServer()
+    monkeypatch.setattr(first_run, "_SERVER", server)
+    monkeypatch.setenv("EXACTNESS_PROBE", "")
+    assert probe(tmp_path, "parent").verdict.why.startswith("parent in ")
+    parents = server.process
+    monkeypatch.setattr(server, "owner", -1)  # as a fork sees it: another process started it
+    assert probe(tmp_path, "child").verdict.why.startswith("child in ")
+    assert server.process is not parents and parents.poll() is None
+    parents.stdin.close()
+    assert parents.wait(timeout=30) == 0

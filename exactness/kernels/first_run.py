@@ -136,6 +136,7 @@ class _ForkServer:
 
     def __init__(self):
         self.process: subprocess.Popen | None = None
+        self.owner = os.getpid()  # a forked copy of this process must not share its pipes
         self.failed: str | None = None if hasattr(os, "fork") else "os.fork is missing here"
         self.lock = threading.Lock()  # one run at a time on the server's pipes
 
@@ -155,6 +156,8 @@ class _ForkServer:
                                            str(reply["stderr"]))
 
     def _ask(self, request: dict, env: dict, limit: float) -> dict:
+        if self.owner != os.getpid():  # this is a fork: the server answers the parent
+            self.process, self.owner = None, os.getpid()
         if self.process is None or self.process.poll() is not None:
             self.process = subprocess.Popen(
                 [sys.executable, "-P", str(Path(__file__).with_name("fork_server.py"))], env=env,
