@@ -193,7 +193,7 @@ def _share_types(interpreter, core) -> list:
             return constexpr(self.values == other)
         return tuple_eq(self, other)
 
-    def sample(shared: bool) -> list:
+    def sample() -> list:
         """What the builders make of a few types, as comparable values."""
         made = []
         for element, shape in ((core.float32, [16, 2]), (core.int8, [constexpr(4)]),
@@ -208,21 +208,9 @@ def _share_types(interpreter, core) -> list:
             made.append((sorted(vars(block)), list(block.shape), block.numel, block.name))
         return made
 
-    try:
-        expected = sample(False)
-        shared = (shared_np_dtype, shared_block_init, shared_tensor_init, shared_tuple_eq)
-        for (owner, name, _), replacement in zip(own, shared, strict=True):
-            setattr(owner, name, replacement)
-        if sample(True) == expected:
-            return own
-        why = "they build other values than this Triton's own"
-    except Exception as e:  # noqa: BLE001 - any fault of the replacements leaves Triton's own
-        why = f"they fail on this Triton ({type(e).__name__}: {e})"
-    for owner, name, original in own:
-        setattr(owner, name, original)
-    warnings.warn(f"the Triton interpreter builds its types as it ships (slower): {why}",
-                  RuntimeWarning, stacklevel=3)
-    return []
+    return _replaced_where_alike(
+        own, (shared_np_dtype, shared_block_init, shared_tensor_init, shared_tuple_eq), sample,
+        "builds its types")
 
 
 def _share_operands(interpreter, core) -> list:
@@ -280,17 +268,26 @@ def _share_operands(interpreter, core) -> list:
                                  t.handle.data.shape, t.handle.data.tobytes()))
         return made
 
+    return _replaced_where_alike(own, (shared_broadcast,), sample, "broadcasts operands")
+
+
+def _replaced_where_alike(own: list, replacements: tuple, sample, ships: str) -> list:
+    """Triton's `own` [(owner, name, original)] replaced by `replacements` where `sample()` makes
+    the same values with both: `own`, to put back. Else Triton's kept, a warning saying the
+    interpreter `ships` as it ships and why, and []."""
     try:
         expected = sample()
-        semantic_class.broadcast_impl_value = shared_broadcast
+        for (owner, name, _), replacement in zip(own, replacements, strict=True):
+            setattr(owner, name, replacement)
         if sample() == expected:
             return own
-        why = "they broadcast to other values than this Triton's own"
-    except Exception as e:  # noqa: BLE001 - any fault of the shortcut leaves Triton's own
-        why = f"it fails on this Triton ({type(e).__name__}: {e})"
-    semantic_class.broadcast_impl_value = broadcast
-    warnings.warn(f"the Triton interpreter broadcasts operands as it ships (slower): {why}",
-                  RuntimeWarning, stacklevel=3)
+        why = "they make other values than this Triton's own"
+    except Exception as e:  # noqa: BLE001 - any fault of the replacements leaves Triton's own
+        why = f"they fail on this Triton ({type(e).__name__}: {e})"
+    for owner, name, original in own:
+        setattr(owner, name, original)
+    warnings.warn(f"the Triton interpreter {ships} as it ships (slower): {why}", RuntimeWarning,
+                  stacklevel=4)
     return []
 
 
