@@ -146,7 +146,7 @@ class _ForkServer:
                 return None
             try:
                 reply = self._ask({"argv": argv, "env": env, "cwd": os.getcwd(),
-                                   "seconds": limit}, env, limit)
+                                   "seconds": limit})
             except (OSError, ValueError, KeyError, TypeError) as e:
                 self._fail(f"{type(e).__name__}: {e}")
                 return None
@@ -155,20 +155,21 @@ class _ForkServer:
         return subprocess.CompletedProcess(argv, int(reply["returncode"]), str(reply["stdout"]),
                                            str(reply["stderr"]))
 
-    def _ask(self, request: dict, env: dict, limit: float) -> dict:
+    def _ask(self, request: dict) -> dict:
         if self.owner != os.getpid():  # this is a fork: the server answers the parent
             self.process, self.owner = None, os.getpid()
         if self.process is None or self.process.poll() is not None:
             self.process = subprocess.Popen(
-                [sys.executable, "-P", str(Path(__file__).with_name("fork_server.py"))], env=env,
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                text=True)
+                [sys.executable, "-P", str(Path(__file__).with_name("fork_server.py"))],
+                env=request["env"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL, text=True)
         self.process.stdin.write(json.dumps(request) + "\n")
         self.process.stdin.flush()
-        line = _read_line(self.process.stdout, limit + self.START_SECONDS)
+        wait = request["seconds"] + self.START_SECONDS
+        line = _read_line(self.process.stdout, wait)
         if not line:
-            raise OSError(f"the server gave no reply within {limit + self.START_SECONDS:g} s "
-                          f"(exit status {self.process.poll()})")
+            raise OSError(f"the server gave no reply within {wait:g} s (exit status "
+                          f"{self.process.poll()})")
         return json.loads(line)
 
     def _fail(self, why: str) -> None:

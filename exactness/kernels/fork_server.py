@@ -102,9 +102,5 @@ def serve() -> int:
     return 0
 
 
-if __name__ == "__main__":
-    # run by path: its folder (exactness/kernels, which holds a `triton`) must not shadow the
-    # packages of that name (first_run starts it with -P; this covers an older Python)
-    here = os.path.dirname(os.path.abspath(__file__))
-    sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != here]
-    sys.exit(serve())
+if __name__ == "__main__":  # run by path with -P: its folder (which holds a `triton`) not on
+    sys.exit(serve())  # sys.path, so it shadows no package of the same name
