@@ -25,6 +25,7 @@ from exactness.kimi import (
 )
 from exactness.kimi import checkpoint as kimi_checkpoint
 from exactness.suite.reference import reference_linear
+from tests.cli import main_here
 from tests.kimi_checkpoints import join_safetensors, split_safetensors, write_checkpoint
 
 pytestmark = pytest.mark.stage("reliability")  # make verify's stage
@@ -469,17 +470,9 @@ def test_a_model_matching_no_routed_expert_is_refused(tmp_path, wrap):
 
 
 def kimi_cli(capsys, directory, *args) -> subprocess.CompletedProcess:
-    """`python -m exactness kimi DIRECTORY ARGS`, through its main in this process (2 s less
-    than a new one: the test below runs it as a command): the exit code and what it printed.
-    A traceback would be an exception here, and fail the test."""
-    from exactness.__main__ import main
-
-    try:
-        code = main(["kimi", str(directory), *args])
-    except SystemExit as e:  # argparse's refusals
-        code = e.code
-    printed = capsys.readouterr()
-    return subprocess.CompletedProcess(args, code, printed.out, printed.err)
+    """`python -m exactness kimi DIRECTORY ARGS` in this process (the test below runs it as a
+    command)."""
+    return main_here(capsys, "kimi", str(directory), *args)
 
 
 def test_cli_passes_on_a_good_checkpoint(tmp_path):

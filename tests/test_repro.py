@@ -13,6 +13,7 @@ import pytest
 
 from exactness.contract import ExactnessError
 from exactness.suite import counterexamples, repro
+from tests.cli import main_here
 
 pytestmark = pytest.mark.stage("reliability")  # make verify's stage
 
@@ -26,19 +27,15 @@ def cli(*args, env=None):
 
 @pytest.fixture
 def cli_here(capsys, monkeypatch):
-    """`python -m exactness ARGS` through its main in this process, with `env` set for the call
-    (EXACTNESS_MUTANT plants its mutant for the call alone): a new Python costs 3-5 s, and
+    """`python -m exactness ARGS` in this process (tests.cli), with `env` set for the call
+    (EXACTNESS_MUTANT plants its mutant for the call alone);
     test_cli_refuses_a_bad_file_in_one_line_and_still_replays_the_others runs the command."""
-    from exactness.__main__ import main
 
     def run(*args, env=None):
-        capsys.readouterr()
         with monkeypatch.context() as scope:
             for name, value in (env or {}).items():
                 scope.setenv(name, value)
-            code = main(list(args))
-        printed = capsys.readouterr()
-        return subprocess.CompletedProcess(args, code, printed.out, printed.err)
+            return main_here(capsys, *args)
 
     return run
 
