@@ -211,3 +211,105 @@ def test_a_shared_splat_is_read_only_and_keyed_by_its_bits():
     assert semantic.broadcast_impl_value(ones, tensor(-0.0, tl.float32))[1].handle.data is minus
     with pytest.raises(ValueError, match="read-only"):
         minus[0] = 1.0
+
+
+def _checks_shared() -> bool:
+    from triton.language.semantic import TritonSemantic
+
+    return TritonSemantic.binary_op_type_checking_impl.__name__ == "shared_check"
+
+
+@needs_interpreter
+def test_the_shared_checks_are_left_out_where_triton_promotes_otherwise(monkeypatch):
+    """Another Triton, planted: it widens two int32 operands to int64, which the shortcut for
+    one type would not do. install() compares, keeps Triton's own checks, and says so."""
+    import triton.language as tl
+    from triton.language.semantic import TritonSemantic
+
+    interpreter.uninstall()
+    shipped = TritonSemantic.binary_op_type_checking_impl
+
+    def widening(self, lhs, rhs, *flags):
+        lhs, rhs = shipped(self, lhs, rhs, *flags)
+        if isinstance(lhs, tl.core.tensor) and lhs.dtype == tl.int32:
+            return self.cast(lhs, tl.int64), self.cast(rhs, tl.int64)
+        return lhs, rhs
+
+    monkeypatch.setattr(TritonSemantic, "binary_op_type_checking_impl", widening)
+    try:
+        with pytest.warns(RuntimeWarning, match="checks operand types as it ships"):
+            assert interpreter.install()
+        assert not _checks_shared() and _operands_shared()
+    finally:
+        interpreter.uninstall()
+        monkeypatch.undo()
+        interpreter.install()
+    assert _checks_shared()
+
+
+@needs_interpreter
+def test_a_shared_constant_is_read_only_and_keyed_by_its_int_and_type():
+    """A tensor and a Python int: Triton's constant the first time, the same read-only one after;
+    another int or type gets its own; an int out of the type's range raises every time."""
+    import triton.language as tl
+    from triton.runtime import interpreter as triton_interpreter
+
+    semantic = triton_interpreter.interpreter_semantic
+
+    def ones(ty):
+        data = np.ones(2, dtype=triton_interpreter._get_np_dtype(ty))
+        return tl.core.tensor(triton_interpreter.TensorHandle(data, ty),
+                              tl.core.block_type(ty, [2]))
+
+    check = semantic.binary_op_type_checking_impl
+    a, wide = ones(tl.int32), ones(tl.int64)
+    seven = check(a, 7)[1]
+    assert _checks_shared() and check(a, 7)[0] is a and check(a, 7)[1] is seven
+    assert seven.handle.data.tolist() == [7, 7] and seven.dtype == tl.int32
+    assert check(a, 8)[1].handle.data.tolist() == [8, 8]
+    assert check(wide, 7)[1].dtype == tl.int64 and check(7, a)[0].handle.data.tolist() == [7, 7]
+    with pytest.raises(ValueError, match="read-only"):
+        seven.handle.data[0] = 1
+    for _ in range(2):
+        with pytest.raises(ValueError, match="out of range"):
+            check(ones(tl.int8), 300)
+
+
+def _maximum_of_zero(values):
+    """An interpreted launch of tl.maximum(x, 0) over four int32 values."""
+    import torch
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def maximum_kernel(a_ptr, out_ptr):
+        offs = tl.arange(0, 4)
+        tl.store(out_ptr + offs, tl.maximum(tl.load(a_ptr + offs), 0))
+
+    a = torch.tensor(values, dtype=torch.int32)
+    out = torch.empty_like(a)
+    maximum_kernel[(1,)](a, out)
+    return out.tolist()
+
+
+@needs_interpreter
+def test_a_builtin_replaced_between_launches_is_patched_not_its_old_wrapper(monkeypatch):
+    """The kept wrappers of a module's walk are set again only while it holds the builtins they
+    wrap: a builtin replaced between two launches (planted: a counting tl.maximum) is walked
+    and patched at the next, and the shipped one is back after it is undone."""
+    import triton.language as tl
+
+    values, want = [-3, 5, 0, -1], [0, 5, 0, 0]
+    assert _maximum_of_zero(values) == want  # the walk's wrappers kept
+    calls, shipped = [], tl.maximum
+
+    @tl.core.builtin
+    def counted_maximum(*args, _semantic=None, **kwargs):
+        calls.append(args)
+        return shipped(*args, _semantic=_semantic, **kwargs)
+
+    monkeypatch.setattr(tl, "maximum", counted_maximum)
+    assert _maximum_of_zero(values) == want and len(calls) == 1
+    monkeypatch.undo()
+    assert _maximum_of_zero(values) == want and len(calls) == 1
+    assert tl.maximum is shipped
