@@ -11,10 +11,11 @@ the suite's speed-ups (exactness.suite.interpreter installs them), its arithmeti
   shapes are left as they are, and each scalar's block (by its bits, type and shape) is filled
   once and shared, read-only, so a write into it would raise rather than change a neighbour.
 - **Operand types checked once.** Before that, the semantics find the operation's type (the
-  promotion rules), cast both operands to it and range-check a Python int: 30% of a launch. Two
-  tensors of one integer, float32 or float64 type need none of it and are returned as they are.
-  A tensor and a Python int (`x + 1`) take Triton's own answer the first time, and its constant
-  is shared, read-only, keyed by the tensor's type, the int, its side and the flags.
+  promotion rules), cast both operands to it and range-check a Python int (with the broadcast,
+  30% of a launch under cProfile). Two tensors of one integer, float32 or float64 type need none
+  of it and are returned as they are. A tensor and a Python int (`x + 1`) take Triton's own
+  answer the first time, and its constant is shared, read-only, keyed by the tensor's type, the
+  int, its side and the flags.
 
 Each is compared with Triton's own at install, on sample operands, and left out, saying so,
 where it differs (another Triton).
