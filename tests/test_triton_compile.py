@@ -20,13 +20,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PLANTED = ROOT / "tests" / "data" / "triton_planted_kernels.py"
 
 
-def compiled(*args: str) -> list[dict]:
+def compiled(*args: str, timeout: int = 900) -> list[dict]:
     """Runs a compile in a process without the interpreter; its JSON records."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("TRITON_INTERPRET", "EXACTNESS_DEVICE")}
     env["PYTHONPATH"] = str(ROOT)
     proc = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)
+                          text=True, timeout=timeout)
     assert proc.stdout.strip(), proc.stderr[-3000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
@@ -35,7 +35,9 @@ def test_every_launch_compiles_for_gpus():
     thorough = os.environ.get("HYPOTHESIS_PROFILE") == "thorough"
     args = ["-m", "exactness.suite.triton_aot", "--json"] + (
         ["--arch", "80", "90"] if thorough else ["--quick", "--arch", "90"])
-    records = compiled(*args)
+    # thorough, cold: 386 compiles on one core, 1136 s on a 2-core AMD with AVX2 only (past
+    # the 900 s this had in a fresh clone's .ci/run): about twice that is allowed
+    records = compiled(*args, timeout=2400 if thorough else 900)
     assert len(records) == (386 if thorough else 14)
     for r in records:
         assert r["ok"], f"{r['kernel']} ({r['config']}, sm_{r['arch']}): {r['error']}"
