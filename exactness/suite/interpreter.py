@@ -40,7 +40,7 @@ from .interpreter_values import share_checks, share_operands, share_types
 __all__ = ["WIDE_FRAME_SLOTS", "install", "installed", "uninstall", "wide_frame_runner"]
 
 _originals: list = []  # (Triton's interpreter module, its _patch_lang, its launch, the builder's
-# options, the type builders replaced) once installed
+# options, the other functions replaced) once installed
 WIDE_FRAME_SLOTS = 33_000  # > 256 KiB of slots: the next power-of-two chunk, 512 KiB, keeps
 # ~250 KiB (thousands of frames) free above the frame
 _launch: dict = {"langs": None, "inner": []}  # the running launch's patched modules and scopes
@@ -138,12 +138,13 @@ def install() -> bool:
 def _share_patches(interpreter, core) -> list:
     """Triton's patch of a language module, its walk and wrappers made once (the module's doc):
     [(owner, name, Triton's own)] to put back, empty where this Triton lacks the hooks."""
-    try:
-        patch_builtin, is_builtin = interpreter._patch_builtin, core.is_builtin
-        assert isinstance(interpreter._LangPatchScope()._changes, list)
-    except (AttributeError, AssertionError) as e:
-        warnings.warn(f"the Triton interpreter walks each module at each launch, as it ships "
-                      f"(slower): its _patch_builtin hook is not there ({e!r})", RuntimeWarning,
+    patch_builtin = getattr(interpreter, "_patch_builtin", None)
+    is_builtin = getattr(core, "is_builtin", None)
+    scope_class = getattr(interpreter, "_LangPatchScope", None)
+    if patch_builtin is None or is_builtin is None or scope_class is None or \
+            not isinstance(getattr(scope_class(), "_changes", None), list):
+        warnings.warn("the Triton interpreter walks each module at each launch, as it ships "
+                      "(slower): its _patch_builtin hooks are not there", RuntimeWarning,
                       stacklevel=3)
         return []
     own = [(interpreter, "_patch_builtin", patch_builtin)]
@@ -172,7 +173,7 @@ def _share_patches(interpreter, core) -> list:
         if found is None:
             if any(getattr(v, "__code__", None) in codes for v in vars(pkg).values()):
                 return patch_builtin(pkg, builder, scope)  # patched in this launch already
-            walk = interpreter._LangPatchScope()
+            walk = scope_class()
             patch_builtin(pkg, builder, walk)
             found = [(name, getattr(obj, name)) for obj, name, _ in walk._changes]
             walk.restore()
@@ -189,10 +190,10 @@ def _share_patches(interpreter, core) -> list:
 def uninstall() -> None:
     """The interpreter as Triton ships it again (for the tests that compare)."""
     if _originals:
-        interpreter, patch_lang, launch, options, types = _originals
+        interpreter, patch_lang, launch, options, replaced = _originals
         interpreter._patch_lang, interpreter.GridExecutor.__call__ = patch_lang, launch
         if options is not None:
             interpreter.interpreter_builder.options = options
-        for owner, name, original in types:
+        for owner, name, original in replaced:
             setattr(owner, name, original)
         _originals.clear()
