@@ -313,3 +313,49 @@ def test_a_builtin_replaced_between_launches_is_patched_not_its_old_wrapper(monk
     monkeypatch.undo()
     assert _maximum_of_zero(values) == want and len(calls) == 1
     assert tl.maximum is shipped
+
+
+def _dots(a, b, d):
+    """Triton's interpreted dot of integer blocks a @ b + d: (the suite's, Triton's own)."""
+    import triton.language as tl
+    from triton.runtime import interpreter as triton_interpreter
+
+    types = {np.dtype(np.int8): tl.int8, np.dtype(np.int16): tl.int16,
+             np.dtype(np.int32): tl.int32, np.dtype(np.int64): tl.int64}
+    handles = [triton_interpreter.TensorHandle(v, types[v.dtype]) for v in (a, b, d)]
+    builder = triton_interpreter.interpreter_builder
+    found = []
+    for speed_ups in (True, False):
+        if not speed_ups:
+            interpreter.uninstall()
+        try:
+            found.append(builder.create_dot(*handles, "ieee", 0).data)
+        finally:
+            interpreter.install()
+    return found
+
+
+@needs_interpreter
+def test_an_integer_dot_on_blas_gives_the_integer_loops_bits():
+    """A float64 matmul stands in for numpy's integer loop where every partial sum is below 2**53:
+    the same bits for random blocks, for sums that wrap the int32 or int16 accumulator, and for
+    an accumulator that wraps when d is added. int32 operands (sums past 2**53) keep the loop."""
+    rng = np.random.default_rng(5)
+    a, b = rng.integers(-128, 128, (16, 96)).astype(np.int8), rng.integers(-128, 128, (96, 64))
+    d = rng.integers(-2**31, 2**31, (16, 64)).astype(np.int32)
+    k = 2**18  # 2**18 products of (-128)**2 sum to 2**32 (+2**14 + 127): past int32 and float32
+    big_a, big_b = np.full((2, k), -128, np.int8), np.full((k, 3), -128, np.int8)
+    big_a[0, 0], big_b[1, 2] = 127, 127
+    cases = [(a, b.astype(np.int8), d), (a, b.astype(np.int8).T.copy().T, d),  # b a transpose
+             (big_a, big_b, np.array([[2**31 - 1] * 3] * 2, np.int32)),
+             (big_a, big_b, np.zeros((2, 3), np.int16)),
+             (a.astype(np.int16), b.astype(np.int16), np.ones((16, 64), np.int64))]
+    for x, w, acc in cases:
+        assert interpreter.float64_dot_is_exact(x, w, acc)
+        ours, theirs = _dots(x, w, acc)
+        assert ours.dtype == theirs.dtype and np.array_equal(ours, theirs), (x.shape, acc.dtype)
+    # the case can tell: a float32 matmul (a planted bug) rounds the big sums
+    float32 = (big_a.astype(np.float32) @ big_b.astype(np.float32)).astype(np.int64)
+    assert not np.array_equal(float32, big_a.astype(np.int64) @ big_b.astype(np.int64))
+    assert not interpreter.float64_dot_is_exact(a.astype(np.int32), b.astype(np.int32), d)
+    assert not interpreter.float64_dot_is_exact(a, b.astype(np.float32), d)
