@@ -165,20 +165,22 @@ def _operands_shared() -> bool:
 
 
 @needs_interpreter
-def test_the_shared_operands_are_left_out_where_triton_broadcasts_otherwise(monkeypatch):
-    """Another Triton, planted: its splat of a scalar widens it, which a shared splat would not
-    do. install() compares, keeps Triton's own broadcasting, and says so."""
+@pytest.mark.parametrize("builder", ["create_splat", "create_broadcast"])
+def test_the_shared_operands_are_left_out_where_triton_broadcasts_otherwise(monkeypatch, builder):
+    """Another Triton, planted: its splat of a scalar, or its broadcast of a block, widens the
+    values' type, which a shared splat or widened block would not do. install() compares, keeps
+    Triton's own broadcasting, and says so."""
     import numpy as np
     from triton.runtime import interpreter as triton_interpreter
 
     interpreter.uninstall()
-    shipped = triton_interpreter.InterpreterBuilder.create_splat
+    shipped = getattr(triton_interpreter.InterpreterBuilder, builder)
 
-    def splat(self, ret_ty, arg):
-        made = shipped(self, ret_ty, arg)
+    def widening(self, *args):
+        made = shipped(self, *args)
         return triton_interpreter.TensorHandle(made.data.astype(np.int64), made.dtype)
 
-    monkeypatch.setattr(triton_interpreter.InterpreterBuilder, "create_splat", splat)
+    monkeypatch.setattr(triton_interpreter.InterpreterBuilder, builder, widening)
     try:
         with pytest.warns(RuntimeWarning, match="broadcasts operands as it ships"):
             assert interpreter.install()

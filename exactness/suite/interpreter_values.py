@@ -112,14 +112,18 @@ def share_operands(interpreter, core) -> list:
     own = [(semantic_class, "broadcast_impl_value", broadcast)]
     builder = interpreter.interpreter_builder
     splats: dict = {}  # (the scalar's type and bits, the block's shape) -> its block, read-only
+    shapes: dict = {}  # two blocks' (element type, shape) -> each one's (type, numpy shape) after
+    # broadcasting, None where Triton returns it as it is
 
     def shared_broadcast(self, lhs, rhs):
         left, right = type(lhs.type) is block_type, type(rhs.type) is block_type
         if self.builder is not builder:  # a compile, not the interpreter: Triton's own
             return broadcast(self, lhs, rhs)
-        if left and right and lhs.type.shape == rhs.type.shape:
-            return lhs, rhs  # Triton broadcasts each to the shape it has: the same values
-        if left == right:  # two scalars, or blocks of other shapes
+        if left and right:
+            if lhs.type.shape == rhs.type.shape:
+                return lhs, rhs  # Triton broadcasts each to the shape it has: the same values
+            return broadcast_blocks(self, lhs, rhs)
+        if not left and not right:  # two scalars
             return broadcast(self, lhs, rhs)
         scalar, block = (rhs, lhs) if left else (lhs, rhs)
         data = scalar.handle.data
@@ -135,6 +139,32 @@ def share_operands(interpreter, core) -> list:
                 splats.clear()
             splats[key] = splat
         return (lhs, splat) if left else (splat, rhs)
+
+    def type_key(ty):
+        """An element type as a dict key: a pointer's (unhashable) by what its __eq__ compares."""
+        if type(ty) is not core.pointer_type:
+            return ty
+        if type(ty.element_ty) is core.pointer_type:
+            raise TypeError("a pointer to pointers")  # rare: Triton's own builds it
+        return core.pointer_type, ty.element_ty, ty.address_space, ty.const
+
+    def broadcast_blocks(self, lhs, rhs):
+        """Blocks of other shapes: each widened as Triton widens it (new leading axes, then
+        numpy's broadcast), the result's type found by Triton's own once per pair of types."""
+        try:
+            key = (type_key(lhs.type.element_ty), lhs.type.shape, type_key(rhs.type.element_ty),
+                   rhs.type.shape)
+            made = shapes.get(key)
+        except TypeError:  # an unhashable type
+            return broadcast(self, lhs, rhs)
+        if made is None:
+            out = broadcast(self, lhs, rhs)
+            shapes[key] = tuple(None if o is i else (o.type, o.handle.data.shape)
+                                for o, i in zip(out, (lhs, rhs), strict=True))
+            return out
+        return tuple(i if m is None else core.tensor(interpreter.TensorHandle(
+            widened(i.handle.data, m[1]), i.handle.dtype.scalar), m[0])
+                     for i, m in zip((lhs, rhs), made, strict=True))
 
     def sample() -> list:
         """What broadcasting makes of a few operand pairs, as comparable values."""
@@ -152,7 +182,12 @@ def share_operands(interpreter, core) -> list:
                      (tensor(7, block_type(i32, [4, 2])), tensor(-1, i32)),
                      (tensor(-0.0, f32), tensor(2.5, block_type(f32, [2]))),
                      (tensor(0.0, f32), tensor(2.5, block_type(f32, [2]))),
-                     (tensor(1, block_type(i32, [1, 2])), tensor(2, block_type(i32, [4, 1])))):
+                     (tensor(1, block_type(i32, [1, 2])), tensor(2, block_type(i32, [4, 1]))),
+                     (tensor(4, block_type(i32, [2])), tensor(-2, block_type(i32, [8, 2]))),
+                     (tensor(1.5, block_type(f32, [2, 2])), tensor(6, block_type(i32, [2, 1]))),
+                     (tensor(5, block_type(i32, [1, 4, 1])), tensor(8, block_type(i32, [4, 2]))),
+                     (tensor(64, block_type(core.pointer_type(i32), [4, 1])),
+                      tensor(3, block_type(i32, [1, 2])))):
             for _ in range(2):  # the second time from the shared splats
                 for t in semantic.broadcast_impl_value(a, b):
                     made.append((t.type, t.handle.dtype, t.handle.data.dtype.str,
@@ -160,6 +195,16 @@ def share_operands(interpreter, core) -> list:
         return made
 
     return replaced_where_alike(own, (shared_broadcast,), sample, "broadcasts operands")
+
+
+def widened(data, shape: tuple):
+    """`data` as Triton's interpreter broadcasts it to `shape`: leading axes of 1 added (a view,
+    as np.expand_dims makes), then np.broadcast_to where a size still differs."""
+    import numpy as np
+
+    if data.ndim < len(shape):
+        data = data.reshape((1,) * (len(shape) - data.ndim) + data.shape)
+    return data if data.shape == shape else np.broadcast_to(data, shape)
 
 
 def share_checks(interpreter, core) -> list:
