@@ -10,6 +10,8 @@ the suite's speed-ups (exactness.suite.interpreter installs them), its arithmeti
   scalar by filling a new block with it (about half of the operations add a constant). Here equal
   shapes are left as they are, and each scalar's block (by its bits, type and shape) is filled
   once and shared, read-only, so a write into it would raise rather than change a neighbour.
+  Blocks of other shapes ([M, 1] with [1, N]) take their result's types from Triton's own
+  answer once per pair of operand types, and are widened as Triton widens them.
 - **Operand types checked once.** Before that, the semantics find the operation's type (the
   promotion rules), cast both operands to it and range-check a Python int (with the broadcast,
   30% of a launch under cProfile). Two tensors of one integer, float32 or float64 type need none
