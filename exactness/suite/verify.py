@@ -59,7 +59,9 @@ class PytestSession:
     conftest records each test's stage in the XML. kill_only: the selection only has to fail
     under planted bugs, so the ci profile runs it without shrinking. dist: xdist's scheduling
     (loadgroup keeps each C or AMX mutant's tests on one worker: tests/test_mutants.py; the
-    other stages' session has no groups, and ran no faster on it, so it takes load)."""
+    other stages' session has no groups, and ran no faster on it, so it takes load, one test
+    a send: load's default sends the next chunk of a module, and once all of test_modules.py's
+    heavy tests went to one worker, the other idled for 73 s)."""
 
     def __init__(self, name: str, kill_only: bool = False, dist: str = "load"):
         self.name, self.kill_only, self.dist = name, kill_only, dist
@@ -84,7 +86,8 @@ class PytestSession:
         if workers == "1":  # one worker is this process: no xdist controller beside it
             workers = "0"
         cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", workers,
-               "--dist", self.dist, f"--junitxml={junit}",
+               "--dist", self.dist, *(["--maxschedchunk", "1"] if self.dist == "load" else []),
+               f"--junitxml={junit}",
                *(f"--stage={stage}" for stage in stages),
                *([f"--shard={shard[0]}/{shard[1]}"] if shard else []),
                *(["-k", select] if select else [])]
