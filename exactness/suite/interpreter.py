@@ -37,6 +37,7 @@ and without, and that the language is as it was after a launch.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 
 from .interpreter_values import share_checks, share_operands, share_types
@@ -141,22 +142,23 @@ def install() -> bool:
     return True
 
 
-_largest_products: dict = {}  # (a's, b's, acc's dtype) -> the largest |product| (2**53: no dot)
-
-
 def float64_dot_is_exact(a, b, acc) -> bool:
     """Whether a float64 matmul of integer arrays a [.., M, K] and b [.., K, N] is exact (every
     partial sum below 2**53) and the accumulator `acc` a signed integer array it can wrap into."""
-    key = (a.dtype, b.dtype, acc.dtype)
-    largest = _largest_products.get(key)
-    if largest is None:
-        import numpy as np
+    largest = _largest_product(a.dtype, b.dtype, acc.dtype)
+    return largest is not None and largest * max(1, a.shape[-1]) < 2**53
 
-        largest = _largest_products[key] = 2**53 if a.dtype.kind not in "iu" or \
-            b.dtype.kind not in "iu" or acc.dtype.kind != "i" else \
-            max(-int(np.iinfo(a.dtype).min), int(np.iinfo(a.dtype).max)) * \
-            max(-int(np.iinfo(b.dtype).min), int(np.iinfo(b.dtype).max))
-    return largest * max(1, a.shape[-1]) < 2**53
+
+@functools.cache
+def _largest_product(a, b, acc) -> int | None:
+    """The largest |x * y| of integer dtypes a and b; None where a dot of these dtypes into
+    `acc` is no integer dot a signed accumulator wraps."""
+    import numpy as np
+
+    if a.kind not in "iu" or b.kind not in "iu" or acc.kind != "i":
+        return None
+    magnitudes = [max(-int(np.iinfo(t).min), int(np.iinfo(t).max)) for t in (a, b)]
+    return magnitudes[0] * magnitudes[1]
 
 
 def _blas_integer_dots(interpreter) -> list:

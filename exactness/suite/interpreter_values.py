@@ -114,8 +114,8 @@ def share_operands(interpreter, core) -> list:
     own = [(semantic_class, "broadcast_impl_value", broadcast)]
     builder = interpreter.interpreter_builder
     splats: dict = {}  # (the scalar's type and bits, the block's shape) -> its block, read-only
-    shapes: dict = {}  # two blocks' (element type, shape) -> each one's (type, numpy shape) after
-    # broadcasting, None where Triton returns it as it is
+    shapes: dict = {}  # two blocks' (element type, shape) -> each one's type after broadcasting,
+    # None where Triton returns it as it is
 
     def shared_broadcast(self, lhs, rhs):
         left, right = type(lhs.type) is block_type, type(rhs.type) is block_type
@@ -161,12 +161,12 @@ def share_operands(interpreter, core) -> list:
             return broadcast(self, lhs, rhs)
         if made is None:
             out = broadcast(self, lhs, rhs)
-            shapes[key] = tuple(None if o is i else (o.type, o.handle.data.shape)
+            shapes[key] = tuple(None if o is i else o.type
                                 for o, i in zip(out, (lhs, rhs), strict=True))
             return out
-        return tuple(i if m is None else core.tensor(interpreter.TensorHandle(
-            widened(i.handle.data, m[1]), i.handle.dtype.scalar), m[0])
-                     for i, m in zip((lhs, rhs), made, strict=True))
+        return tuple(i if ty is None else core.tensor(interpreter.TensorHandle(
+            widened(i.handle.data, ty.shape), i.handle.dtype.scalar), ty)
+                     for i, ty in zip((lhs, rhs), made, strict=True))
 
     def sample() -> list:
         """What broadcasting makes of a few operand pairs, as comparable values."""
@@ -190,7 +190,7 @@ def share_operands(interpreter, core) -> list:
                      (tensor(5, block_type(i32, [1, 4, 1])), tensor(8, block_type(i32, [4, 2]))),
                      (tensor(64, block_type(core.pointer_type(i32), [4, 1])),
                       tensor(3, block_type(i32, [1, 2])))):
-            for _ in range(2):  # the second time from the shared splats
+            for _ in range(2):  # the second time from the shared splats and types
                 for t in semantic.broadcast_impl_value(a, b):
                     made.append((t.type, t.handle.dtype, t.handle.data.dtype.str,
                                  t.handle.data.shape, t.handle.data.tobytes()))
