@@ -1,4 +1,4 @@
-"""The Triton interpreter made faster for the suite, in eight ways, its arithmetic untouched.
+"""The Triton interpreter made faster for the suite, in nine ways, its arithmetic untouched.
 
 - **One language patch a launch.** Triton patches triton.language for the interpreter at each
   launch and restores it after, but also again at every call of a @triton.jit helper inside the
@@ -28,8 +28,10 @@
   exact, then wraps into the accumulator's type as the integer loop does (modulo 2**bits).
 - **Types built once, operands shaped once, operand types checked once**: the values each
   operation builds, shared (exactness.suite.interpreter_values).
+- **A launch on the same inputs replays its writes**: the same code on the same bytes it read
+  writes the same bytes (exactness.suite.interpreter_replay).
 
-`install()` applies all eight in this process (the suite's device module calls it where the Triton
+`install()` applies all nine in this process (the suite's device module calls it where the Triton
 kernels are interpreted). tests/test_interpreter.py checks that the outputs are the same with
 and without, and that the language is as it was after a launch.
 """
@@ -40,6 +42,7 @@ import dataclasses
 import functools
 import warnings
 
+from . import interpreter_replay
 from .interpreter_values import share_checks, share_operands, share_types
 
 __all__ = ["WIDE_FRAME_SLOTS", "float64_dot_is_exact", "install", "installed", "uninstall",
@@ -135,10 +138,11 @@ def install() -> bool:
     def launch_in_wide_frame(self, *args, **kwargs):
         return in_wide_frame(lambda: launch(self, *args, **kwargs))
 
-    interpreter.GridExecutor.__call__ = launch_in_wide_frame
+    replayed, watched = interpreter_replay.install(interpreter, tl.core, launch_in_wide_frame)
+    interpreter.GridExecutor.__call__ = replayed
     _originals.append(share_types(interpreter, tl.core) + share_operands(interpreter, tl.core)
                       + share_checks(interpreter, tl.core) + _share_patches(interpreter, tl.core)
-                      + _blas_integer_dots(interpreter))
+                      + _blas_integer_dots(interpreter) + watched)
     return True
 
 
