@@ -169,7 +169,8 @@ def install(interpreter, core, run_launch) -> tuple:
     owners = (interpreter, builder_class, *semantics, tl, core, tl.math, tl.standard,
               core.tensor)
     launches: collections.OrderedDict = collections.OrderedDict()  # key -> [entry]
-    pinned: dict = {}  # the code's identities -> its objects, kept alive (ids stay unique)
+    pinned: dict = {}  # the code's identities -> (that tuple, its objects, kept alive: ids stay
+    # unique); every key holds the one tuple (thousands of ids) of its code
     held = [0]
 
     def key_of(self, args: tuple, kwargs: dict):
@@ -197,7 +198,7 @@ def install(interpreter, core, run_launch) -> tuple:
             else:
                 return None
         code, objects = _same_code(self.fn, owners)
-        pinned.setdefault(code, objects)
+        code = pinned.setdefault(code, (code, objects))[0]
         options = interpreter.interpreter_builder.options
         sizes = tuple(b[1] for b in buffers)
         return (code, id(options), grid, tuple(values), sizes), buffers
