@@ -11,8 +11,8 @@ arguments read only argument buffers whose bytes are the same now, running it ag
 the same values, compute the same and write the same bytes; those bytes are written instead.
 
 - **The same code**: the kernel's function and every @triton.jit helper and global it names, by
-  identity (a mutant or a planted kernel is new code), and every attribute of the interpreter
-  and the language it runs on (a planted Triton is another interpreter).
+  identity (a mutant or a planted kernel is new code), and every attribute of the interpreter,
+  the language it runs on and its options (a planted Triton is another interpreter).
 - **The same arguments**: each scalar by type and value; each tensor by dtype, shape, strides,
   offset and which buffer it views (aliasing included); the grid a tuple of ints.
 - **The same reads**: every load and atomic is watched while a launch runs for the first time.
@@ -55,7 +55,7 @@ class _Reads:
         self.written: dict = {}  # buffer -> a bool mask of its bytes
         self.replayable = True
 
-    def note(self, addresses, mask, itemsize: int, write: bool) -> None:
+    def note(self, addresses, mask, itemsize: int, read: bool, write: bool) -> None:
         import numpy as np
 
         if not self.replayable:
@@ -72,8 +72,9 @@ class _Reads:
             return
         for position in np.unique(which).tolist():
             index = self.buffer_at[position]
-            if not write:
+            if read:
                 self.read.add(index)
+            if not write:
                 continue
             offsets = (addresses[which == position] - self.bases[position]).astype(np.int64)
             size = int(self.ends[position] - self.bases[position])
@@ -98,11 +99,8 @@ def _watched(original, name: str):
         if reads is not None:
             ptrs, mask = args[at_ptrs], args[at_mask]
             itemsize = interpreter._get_np_dtype(ptrs.get_element_ty()).itemsize
-            mask = None if mask is None else mask.data
-            if reads_memory:
-                reads.note(ptrs.data, mask, itemsize, write=False)
-            if writes_memory:
-                reads.note(ptrs.data, mask, itemsize, write=True)
+            reads.note(ptrs.data, None if mask is None else mask.data, itemsize,
+                       read=reads_memory, write=writes_memory)
         return original(self, *args)
 
     return operation
@@ -173,6 +171,13 @@ def install(interpreter, core, run_launch) -> tuple:
     # unique); every key holds the one tuple (thousands of ids) of its code
     held = [0]
 
+    def code_of(self) -> tuple:
+        """The launch's code and interpreter as one tuple of identities, the same tuple for the
+        same code (every key holds it); the builder's options by their values, being replaced
+        (debug) between launches."""
+        code, objects = _same_code(self.fn, owners + (interpreter.interpreter_builder.options,))
+        return pinned.setdefault(code, (code, objects))[0]
+
     def key_of(self, args: tuple, kwargs: dict):
         """(key, buffers) of a launch, None where it runs as before."""
         grid = self.grid
@@ -197,11 +202,8 @@ def install(interpreter, core, run_launch) -> tuple:
                 values.append((name, "constexpr", repr(value.value)))
             else:
                 return None
-        code, objects = _same_code(self.fn, owners)
-        code = pinned.setdefault(code, (code, objects))[0]
-        options = interpreter.interpreter_builder.options
         sizes = tuple(b[1] for b in buffers)
-        return (code, id(options), grid, tuple(values), sizes), buffers
+        return (code_of(self), grid, tuple(values), sizes), buffers
 
     def replay(entry, buffers) -> None:
         for index, mask, values in entry[1]:
@@ -237,8 +239,8 @@ def install(interpreter, core, run_launch) -> tuple:
             result = run_launch(self, *args, **kwargs)
         finally:
             _recording[0] = None
-        after = key_of(self, args, kwargs)  # Triton's first launch adds to its classes
-        if not reads.replayable or after is None or after[0] != key:
+        # Triton's first launch adds to its classes: a launch that changed its code is not kept
+        if not reads.replayable or code_of(self) is not key[0]:
             stats["not replayable"] += 1
             return result
         writes = []
