@@ -5,10 +5,18 @@ import numpy as np
 import pytest
 import torch
 
-from exactness.suite import device, interpreter_replay
+from exactness.suite import device, interpreter_replay, interpreter_store, interpreter_tables
 
 pytestmark = pytest.mark.skipif(device.chosen() != "interpret",
                                 reason="the Triton kernels are not interpreted here")
+
+
+@pytest.fixture(autouse=True)
+def _own_store(tmp_path, monkeypatch):
+    """A store of each test's own (interpreter_store): a launch runs here, or replays from
+    memory, and a planted digest never reaches the user's store."""
+    own = interpreter_store.Store(tmp_path / "launches")
+    monkeypatch.setattr(interpreter_store, "default_store", lambda: own)
 
 
 
@@ -40,7 +48,14 @@ def _define_kernels() -> None:
         values = tl.load(table_ptr).to(tl.pointer_type(tl.int32))
         tl.store(out_ptr + offs, tl.load(values + offs))
 
-    globals().update(scaled=scaled, even_kernel=even_kernel, table_kernel=table_kernel)
+    @triton.jit
+    def evens_kernel(a_ptr, out_ptr, N: tl.constexpr):
+        """out = a at the even places, 0 at the odd: the odd places of a are never read."""
+        offs = tl.arange(0, N)
+        tl.store(out_ptr + offs, tl.load(a_ptr + offs, mask=offs % 2 == 0, other=0))
+
+    globals().update(scaled=scaled, even_kernel=even_kernel, table_kernel=table_kernel,
+                     evens_kernel=evens_kernel)
 
 
 N = 8
@@ -132,3 +147,63 @@ def test_a_read_past_the_arguments_is_never_replayed():
         table_kernel[(1,)](table, out, N=N)  # noqa: F821
         assert out.tolist() == target.tolist()
     assert interpreter_replay.stats["not replayable"] == refused + 2
+
+
+def _evens_seen(first: int) -> bool:
+    """Whether launches on bytes that differ only where the kernel does not read replay, and
+    one that differs where it reads gives the bits of a run."""
+    _launch(*_inputs(1), 0)  # (a process's first launch adds to Triton's classes: not kept)
+    a = torch.arange(first, first + N, dtype=torch.int32)
+
+    def evens(a):
+        out = torch.full((N,), 9, dtype=torch.int32)
+        evens_kernel[(1,)](a, out, N=N)  # noqa: F821
+        return out.tolist() == [int(v) if i % 2 == 0 else 0 for i, v in enumerate(a)]
+
+    assert evens(a)
+    odd = a.clone()
+    odd[1::2] = -7  # unread
+    right, replayed = _replayed(lambda: evens(odd))
+    even = a.clone()
+    even[2] += 1
+    return right and replayed and evens(even)
+
+
+def test_only_the_bytes_a_launch_read_are_its_key(monkeypatch):
+    assert _evens_seen(100)
+    # planted: the reads not noted: every launch of the code replays the first one's writes
+    note = interpreter_replay._Reads.note
+    monkeypatch.setattr(interpreter_replay._Reads, "note",
+                        lambda self, *args, read, write: note(self, *args, read=False,
+                                                              write=write))
+    assert not _evens_seen(200)
+
+
+def _through_a_table() -> bool:
+    """Whether a launch through a table told what it points at replays for the same bytes at
+    another address, and runs again once those bytes change."""
+    _launch(*_inputs(1), 0)  # (a process's first launch adds to Triton's classes: not kept)
+    _define_kernels()
+
+    def through(target):
+        table = torch.tensor([target.data_ptr()], dtype=torch.int64)
+        interpreter_tables.points_at(table, [target])
+        out = torch.zeros(N, dtype=torch.int32)
+        table_kernel[(1,)](table, out, N=N)  # noqa: F821
+        return out.tolist() == target.tolist()
+
+    target = torch.arange(300, 300 + N, dtype=torch.int32)
+    assert through(target)
+    moved = target.clone()  # the same bytes elsewhere
+    right, replayed = _replayed(lambda: through(moved))
+    moved += 1
+    return right and replayed and through(moved)
+
+
+def test_a_table_of_addresses_counts_by_what_it_points_at(monkeypatch):
+    assert _through_a_table()
+    # planted: the table keyed by its raw addresses, or told nothing: never replayed
+    monkeypatch.setattr(interpreter_tables, "digest", lambda view, buffers: bytes(view))
+    assert not _through_a_table()
+    monkeypatch.setattr(interpreter_tables, "pointed_by", lambda tensor: None)
+    assert not _through_a_table()

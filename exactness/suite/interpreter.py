@@ -1,4 +1,4 @@
-"""The Triton interpreter made faster for the suite, in nine ways, its arithmetic untouched.
+"""The Triton interpreter made faster for the suite, in ten ways, its arithmetic untouched.
 
 - **One language patch a launch.** Triton patches triton.language for the interpreter at each
   launch and restores it after, but also again at every call of a @triton.jit helper inside the
@@ -30,8 +30,10 @@
   operation builds, shared (exactness.suite.interpreter_values).
 - **A launch on the same inputs replays its writes**: the same code on the same bytes it read
   writes the same bytes (exactness.suite.interpreter_replay).
+- **And so does one in the next process**: launches are kept on disk, named by content
+  (exactness.suite.interpreter_store), so a warm `make verify` interprets what changed.
 
-`install()` applies all nine in this process (the suite's device module calls it where the Triton
+`install()` applies all ten in this process (the suite's device module calls it where the Triton
 kernels are interpreted). tests/test_interpreter.py checks that the outputs are the same with
 and without, and that the language is as it was after a launch.
 """

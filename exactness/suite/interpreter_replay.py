@@ -1,5 +1,6 @@
 """An interpreted launch on the same inputs as an earlier one replays its writes: the suite's
-ninth speed-up of the Triton interpreter (exactness.suite.interpreter installs it).
+ninth speed-up of the Triton interpreter (exactness.suite.interpreter installs it), and, through
+exactness.suite.interpreter_store, its tenth: the next process replays it too.
 
 The suite launches the same kernel on the same bytes again and again: each forward derives its
 weights' certificate anew (scales_kernel), two paths quantize the same activations, and the
@@ -14,10 +15,13 @@ the same values, compute the same and write the same bytes; those bytes are writ
   identity (a mutant or a planted kernel is new code), and every attribute of the interpreter,
   the language it runs on and its options (a planted Triton is another interpreter).
 - **The same arguments**: each scalar by type and value; each tensor by dtype, shape, strides,
-  offset and which buffer it views (aliasing included); the grid a tuple of ints.
+  offset and which buffer it views (aliasing included); the grid a tuple of ints. A table of
+  addresses (the grouped kernels' experts' weights: interpreter_tables) brings the buffers it points
+  at, and its own bytes count by what they point at: each address by buffer and offset.
 - **The same reads**: every load and atomic is watched while a launch runs for the first time.
-  Its buffers' bytes before the launch (a BLAKE2 digest each) are the key; one written and never
-  read (an output from torch.empty) is not, its old bytes unread. A read outside every argument's
+  The bytes it read, as they were before the launch (a BLAKE2 digest a buffer), are the key; a
+  buffer's bytes it never read (an output from torch.empty, read only where written) are not:
+  a launch that reads the same bytes reads the same places next. A read outside every argument's
   buffer, an atomic other than read-modify-write, a print or an assert leaves the launch out.
 - **The same writes**: the bytes each store and atomic wrote, as they stood after the launch,
   are kept and written back; the bytes it did not write keep what they hold.
@@ -27,17 +31,24 @@ A launch that raises, has pre-run hooks, a callable grid or a tensor off the CPU
 
 from __future__ import annotations
 
+import atexit
 import collections
+import contextlib
 import hashlib
+import json
+import os
 import re
 import types
 
-__all__ = ["BUDGET_BYTES", "install", "stats"]
+from . import interpreter_store, interpreter_tables
+
+__all__ = ["BUDGET_BYTES", "install", "stats", "tally"]
 
 BUDGET_BYTES = 256 << 20  # the written bytes (and masks) kept, a process: the oldest go first
 _PER_KEY = 4  # launches kept a key (the same code and shapes, other bytes): the newest
 _MEMORY = re.compile("load|store|atomic|descriptor|print|assert|poll")
-stats = collections.Counter()  # launches: replayed, recorded, not replayable (for the tests)
+stats = collections.Counter()  # launches: replayed, recalled (from the store), recorded, not
+# replayable (for the tests)
 _recording: list = [None]  # the running launch's _Reads, while one is watched
 
 
@@ -51,8 +62,8 @@ class _Reads:
         self.buffer_at = order  # a position in address order -> the buffer's index
         self.bases = np.array([buffers[i][0] for i in order], dtype=np.uint64)
         self.ends = np.array([buffers[i][0] + buffers[i][1] for i in order], dtype=np.uint64)
-        self.read: set = set()
-        self.written: dict = {}  # buffer -> a bool mask of its bytes
+        self.read: dict = {}  # buffer -> a bool mask of the bytes read
+        self.written: dict = {}  # buffer -> a bool mask of the bytes written
         self.replayable = True
 
     def note(self, addresses, mask, itemsize: int, read: bool, write: bool) -> None:
@@ -72,14 +83,12 @@ class _Reads:
             return
         for position in np.unique(which).tolist():
             index = self.buffer_at[position]
-            if read:
-                self.read.add(index)
-            if not write:
-                continue
             offsets = (addresses[which == position] - self.bases[position]).astype(np.int64)
             size = int(self.ends[position] - self.bases[position])
-            mask_of = self.written.setdefault(index, np.zeros(size, bool))
-            mask_of[(offsets[:, None] + np.arange(itemsize)).ravel()] = True
+            touched = (offsets[:, None] + np.arange(itemsize)).ravel()
+            for noted, masks in ((read, self.read), (write, self.written)):
+                if noted:
+                    masks.setdefault(index, np.zeros(size, bool))[touched] = True
 
 
 # where each watched operation's pointers and mask are among its arguments (after self), and
@@ -145,11 +154,28 @@ def _same_code(fn, owners: tuple) -> tuple:
     return tuple(tuple(map(id, made)) for made in objects), objects
 
 
+def tally() -> dict:
+    """This process's interpreted launches: run, replayed (from memory), recalled (the store)."""
+    return {"run": stats["recorded"] + stats["not replayable"], "replayed": stats["replayed"],
+            "recalled": stats["recalled"]}
+
+
+def _write_tally(path: str) -> None:
+    if any(tally().values()):
+        with contextlib.suppress(OSError), open(path, "a") as f:
+            f.write(json.dumps(tally()) + "\n")
+
+
 def install(interpreter, core, run_launch) -> tuple:
     """A launch function (self, *args, **kwargs) that replays where it may and else calls
-    run_launch(self, *args, **kwargs), and [(owner, name, Triton's own)] to put back."""
+    run_launch(self, *args, **kwargs), and [(owner, name, Triton's own)] to put back. Where
+    EXACTNESS_LAUNCH_TALLY names a file, the process adds its tally() to it as it exits (make
+    verify's report)."""
     import numpy as np
     import torch
+
+    if os.environ.get("EXACTNESS_LAUNCH_TALLY"):
+        atexit.register(_write_tally, os.environ["EXACTNESS_LAUNCH_TALLY"])
 
     builder_class = interpreter.InterpreterBuilder
     own = []
@@ -161,6 +187,7 @@ def install(interpreter, core, run_launch) -> tuple:
         own.append((builder_class, name, original))
         setattr(builder_class, name, _watched(original, name) if name in _WATCHED
                 else _unreplayable(original))
+    own += interpreter_tables.install()
     import triton.language as tl
 
     semantics = [c for c in type(interpreter.interpreter_semantic).__mro__ if c is not object]
@@ -171,11 +198,14 @@ def install(interpreter, core, run_launch) -> tuple:
     # unique); every key holds the one tuple (thousands of ids) of its code
     held = [0]
 
+    def owners_now() -> tuple:
+        return owners + (interpreter.interpreter_builder.options,)
+
     def code_of(self) -> tuple:
         """The launch's code and interpreter as one tuple of identities, the same tuple for the
         same code (every key holds it); the builder's options by their values, being replaced
         (debug) between launches."""
-        code, objects = _same_code(self.fn, owners + (interpreter.interpreter_builder.options,))
+        code, objects = _same_code(self.fn, owners_now())
         return pinned.setdefault(code, (code, objects))[0]
 
     def key_of(self, args: tuple, kwargs: dict):
@@ -184,17 +214,28 @@ def install(interpreter, core, run_launch) -> tuple:
         if self.pre_run_hooks or not isinstance(grid, tuple) or \
                 not all(type(g) is int for g in grid):
             return None
-        values, buffers, where = [], [], {}
+        values, buffers, where, tables = [], [], {}, set()
+
+        def buffer_of(tensor) -> int:
+            storage = tensor.untyped_storage()
+            at = where.setdefault(storage.data_ptr(), len(buffers))
+            if at == len(buffers):
+                buffers.append((storage.data_ptr(), storage.nbytes(), storage))
+            return at
+
         for name, value in [(None, a) for a in args] + sorted(kwargs.items()):
             if type(value) in (torch.Tensor, torch.nn.Parameter):
                 if value.device.type != "cpu":
                     return None
-                storage = value.untyped_storage()
-                at = where.setdefault(storage.data_ptr(), len(buffers))
-                if at == len(buffers):
-                    buffers.append((storage.data_ptr(), storage.nbytes(), storage))
+                at = buffer_of(value)
                 values.append((name, at, value.dtype, tuple(value.shape), value.stride(),
                                value.storage_offset()))
+                tensors = interpreter_tables.pointed_by(value)
+                if tensors is not None:  # a table of addresses: the tensors it points at too
+                    if any(t is None or t.device.type != "cpu" for t in tensors):
+                        return None
+                    tables.add(at)
+                    values.append(("points at", tuple(buffer_of(t) for t in tensors)))
             elif value is None or type(value) in (int, float, bool, str) or \
                     isinstance(value, (core.dtype, torch.dtype)):
                 values.append((name, type(value).__name__, repr(value)))
@@ -203,7 +244,7 @@ def install(interpreter, core, run_launch) -> tuple:
             else:
                 return None
         sizes = tuple(b[1] for b in buffers)
-        return (code_of(self), grid, tuple(values), sizes), buffers
+        return (code_of(self), grid, tuple(values), sizes), (buffers, tables)
 
     def replay(entry, buffers) -> None:
         for index, mask, values in entry[1]:
@@ -218,29 +259,46 @@ def install(interpreter, core, run_launch) -> tuple:
         if found is None:
             stats["not replayable"] += 1
             return run_launch(self, *args, **kwargs)
-        key, buffers = found
+        key, (buffers, tables) = found
         digests: dict = {}
 
-        def same(index: int, wanted: bytes) -> bool:
+        def digest(index: int) -> bytes:
             if index not in digests:
-                digests[index] = _digest(buffers[index][2])
-            return digests[index] == wanted
+                digests[index] = _digest(buffers[index][2]) if index not in tables else \
+                    interpreter_tables.digest(_bytes_of(buffers[index][2]), buffers)
+            return digests[index]
+
+        def same(index: int, mask, wanted: bytes) -> bool:
+            """Whether the bytes of buffer `index` that `mask` (packed; None: all) selects are
+            the ones a digest `wanted` was taken of."""
+            if mask is None:
+                return digest(index) == wanted
+            view = _bytes_of(buffers[index][2])
+            return _digest(view[np.unpackbits(mask, count=view.size).view(bool)]) == wanted
 
         for entry in launches.get(key, ()):
-            if all(same(i, d) for i, d in entry[0]):
+            if all(same(*read) for read in entry[0]):
                 launches.move_to_end(key)
                 replay(entry, buffers)
                 stats["replayed"] += 1
                 return None
-        before = [digests.get(i) or _digest(b[2]) for i, b in enumerate(buffers)]
+        store = interpreter_store.default_store()
+        name = store.name(key[0], pinned[key[0]][1], owners_now(), key[1:])
+        entry = None if name is None else store.find(name, same)
+        if entry is not None:
+            keep(key, entry)
+            replay(entry, buffers)
+            stats["recalled"] += 1
+            return None
+        # the bytes as they were: a launch may write what it read
+        before = [None if i in tables else _bytes_of(b[2]).copy() for i, b in enumerate(buffers)]
         reads = _Reads([(b[0], b[1]) for b in buffers])
         _recording[0] = reads
         try:
             result = run_launch(self, *args, **kwargs)
         finally:
             _recording[0] = None
-        # Triton's first launch adds to its classes: a launch that changed its code is not kept
-        if not reads.replayable or code_of(self) is not key[0]:
+        if not reads.replayable:
             stats["not replayable"] += 1
             return result
         writes = []
@@ -249,8 +307,27 @@ def install(interpreter, core, run_launch) -> tuple:
             whole = bool(mask.all())
             writes.append((index, None if whole else np.packbits(mask),
                            view.copy() if whole else view[mask]))
-        entry = (tuple((i, before[i]) for i in sorted(reads.read)), tuple(writes),
-                 sum(w[2].nbytes + (0 if w[1] is None else w[1].nbytes) for w in writes))
+        read = []
+        for index, mask in sorted(reads.read.items()):
+            if index in tables:  # a table by what it points at, whole
+                read.append((index, None, digest(index)))
+            elif mask.all():
+                read.append((index, None, digests.get(index) or _digest(before[index])))
+            else:  # these bytes only (an output of torch.empty, read where it was written)
+                read.append((index, np.packbits(mask), _digest(before[index][mask])))
+        entry = (tuple(read), tuple(writes),
+                 sum(w[2].nbytes + (0 if w[1] is None else w[1].nbytes) for w in writes)
+                 + sum(0 if r[1] is None else r[1].nbytes for r in read))
+        # Triton's first launch adds to its classes: a launch that changed its code is not kept
+        # here (its key is gone), but stored (the next process starts from the same code)
+        if code_of(self) is key[0]:
+            keep(key, entry)
+        if name is not None:
+            store.save(name, entry)
+        stats["recorded"] += 1
+        return result
+
+    def keep(key, entry) -> None:
         kept = launches.setdefault(key, [])
         kept.insert(0, entry)
         held[0] += entry[2]
@@ -260,15 +337,14 @@ def install(interpreter, core, run_launch) -> tuple:
         while held[0] > BUDGET_BYTES and launches:
             _, oldest = launches.popitem(last=False)
             held[0] -= sum(e[2] for e in oldest)
-        stats["recorded"] += 1
-        return result
 
     return launch, own
 
 
 def _digest(storage) -> bytes:
-    """A storage's bytes, as a 128-bit BLAKE2 digest."""
-    return hashlib.blake2b(_bytes_of(storage), digest_size=16).digest()
+    """A storage's bytes (or a numpy array's), as a 128-bit BLAKE2 digest."""
+    data = storage if hasattr(storage, "__array_interface__") else _bytes_of(storage)
+    return hashlib.blake2b(data, digest_size=16).digest()
 
 
 def _bytes_of(storage):

@@ -197,6 +197,15 @@ def _compared(counts: Path, stage: str | None = None) -> int:
                if stage is None or (tagged[0] if tagged else "-") == stage)
 
 
+def _add_launches(launches: dict, tallies: Path) -> None:
+    """The processes' interpreted launches (interpreter_replay.tally), added to `launches`."""
+    if tallies.exists():
+        for line in tallies.read_text().splitlines():
+            for kind, n in json.loads(line).items():
+                launches[kind] = launches.get(kind, 0) + n
+        tallies.unlink()
+
+
 def _junit(results: list[StageResult]) -> str:
     suite = ET.Element("testsuite", name="exactness-verify", tests=str(len(results)),
                        failures=str(sum(r.verdict == "failed" for r in results)),
@@ -289,6 +298,7 @@ def run(profile: str = "ci", stages: list[str] | None = None,
     verifying = gate.watched_digest() if thorough else None  # the files this run vouches for
     results = []
     done: dict[str, StageResult] = {}  # stages a pytest session ran with an earlier one
+    launches = {"run": 0, "replayed": 0, "recalled": 0}  # interpreted Triton launches
     begin = time.perf_counter()
     for i, stage in enumerate(chosen, 1):
         print(f"  [{i}/{len(chosen)}] {stage.name}: {stage.what} ...", flush=True)
@@ -300,6 +310,9 @@ def run(profile: str = "ci", stages: list[str] | None = None,
             counts = REPORTS / f"count-{session.name if session else stage.name}.txt"
             counts.unlink(missing_ok=True)
             os.environ["EXACTNESS_COUNT_FILE"] = str(counts)
+            tallies = counts.with_suffix(".launches")  # interpreter_replay.tally, a process each
+            tallies.unlink(missing_ok=True)
+            os.environ["EXACTNESS_LAUNCH_TALLY"] = str(tallies)
             if session is None:
                 result = stage.run(profile)
                 result.seconds = round(time.perf_counter() - start, 2)
@@ -313,6 +326,7 @@ def run(profile: str = "ci", stages: list[str] | None = None,
                     print(f"      (one pytest session for {', '.join(together)}: "
                           f"{time.perf_counter() - start:.1f} s)", flush=True)
                 result = done.pop(stage.name)
+            _add_launches(launches, tallies)
         print(f"      {result.verdict} in {result.seconds:.1f} s "
               f"(elapsed {time.perf_counter() - begin:.0f} s)", flush=True)
         results.append(result)
@@ -334,6 +348,7 @@ def run(profile: str = "ci", stages: list[str] | None = None,
               "shard": f"{shard[0]}/{shard[1]}" if shard else None, "select": select,
               "seconds": round(time.perf_counter() - begin, 1),
               "outputs_compared": sum(r.compared for r in results),
+              "interpreted_launches": launches,
               "stages": [asdict(r) for r in results]}
     # a shard, a subset or fewer examples vouch for part of the thorough profile only
     if ok and thorough and not stages and not mutant and not shard and not select and \
@@ -343,6 +358,10 @@ def run(profile: str = "ci", stages: list[str] | None = None,
     (REPORTS / f"{name}.json").write_text(json.dumps(report, indent=2))
     (REPORTS / f"{name}-junit.xml").write_text(_junit(results))
     where = (REPORTS / name).relative_to(ROOT) if REPORTS.is_relative_to(ROOT) else REPORTS / name
+    if any(launches.values()):
+        print(f"\n  interpreted Triton launches: {launches['run']} run, {launches['replayed']} "
+              f"replayed in their process, {launches['recalled']} recalled from the launch "
+              f"store (the same code on the same bytes; EXACTNESS_LAUNCH_STORE=off runs them)")
     print(f"\n  verdict: {report['verdict']}  ({report['outputs_compared']} outputs compared bit "
           f"for bit, {report['seconds']} s; {where}.json, {where}-junit.xml)")
     failed = any(r.verdict == "failed" for r in results)

@@ -1,0 +1,163 @@
+"""Interpreted launches kept on disk (exactness.suite.interpreter_store): recalled by the next
+process where the code, the interpreter and the bytes read are the same, and run everywhere
+else. Each check that a launch ran again is shown to catch a name blind to what changed."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from exactness.suite import device, interpreter_replay, interpreter_store
+
+from . import test_interpreter_replay as kernels
+
+pytestmark = pytest.mark.skipif(device.chosen() != "interpret",
+                                reason="the Triton kernels are not interpreted here")
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch):
+    """A store of this test's own: planted names never reach the user's."""
+    own = interpreter_store.Store(tmp_path / "exactness" / "launches")
+    monkeypatch.setattr(interpreter_store, "default_store", lambda: own)
+    return own
+
+
+_CHILD = """
+import json, sys
+from exactness.suite import device, interpreter_replay
+import tests.test_interpreter_replay as kernels
+kernels._launch(*kernels._inputs(10), 7)  # a process's first launch adds to Triton's classes
+a, b = kernels._inputs(11)
+same = kernels._launch(a, b, 7) == kernels._truth(a, b, 7)
+recalled = interpreter_replay.stats["recalled"]
+a, b = kernels._inputs(12)
+other = kernels._launch(a, b, 7) == kernels._truth(a, b, 7)
+print(json.dumps([same, recalled, other, interpreter_replay.stats["recalled"]]))
+"""
+
+
+def test_the_next_process_recalls_a_launch_on_its_bytes_and_runs_it_on_others(store, tmp_path):
+    """(After a first launch in each process: it adds to Triton's classes, and is another
+    interpreter's.)"""
+    kernels._launch(*kernels._inputs(10), 7)
+    a, b = kernels._inputs(11)
+    assert kernels._launch(a, b, 7) == kernels._truth(a, b, 7)
+    assert list(store.directory.iterdir())  # stored
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "EXACTNESS_DEVICE": "interpret",
+           "PYTHONHASHSEED": "12345"}  # another hash seed: names never hang on set order
+    child = subprocess.run([sys.executable, "-c", _CHILD], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    same, recalled, other, recalled_after = json.loads(child.stdout.splitlines()[-1])
+    assert (same, recalled, other, recalled_after) == (True, 1, True, 1)
+
+
+def _runs_again(a, b) -> bool:
+    """Whether, after a launch is stored, the same launch with another helper and then under
+    another interpreter gives the bits of a run (the in-memory replay cannot answer either: the
+    code is new to it)."""
+    from triton.runtime import interpreter
+
+    assert kernels._launch(a, b, 0) == kernels._truth(a, b, 0)
+    original = vars(kernels)["scaled"]
+
+    # the same name, the same arguments, another body: as a mutant is planted
+    exec(compile("import triton\n@triton.jit\ndef scaled(v):\n    return v * 5\n",
+                 "<planted helper>", "exec"), planted := {"__name__": kernels.__name__})
+    vars(kernels)["scaled"] = planted["scaled"]
+    try:
+        new_code = kernels._launch(a, b, 0) == kernels._truth(a, b, 0, times=5)
+    finally:
+        vars(kernels)["scaled"] = original
+    builder = interpreter.InterpreterBuilder
+    add = builder.create_add
+
+    def add_one_more(self, x, y):  # another interpreter: every add gives one more
+        total = add(self, x, y)
+        return interpreter.TensorHandle(total.data + 1, total.dtype.scalar)
+
+    builder.create_add = add_one_more
+    try:
+        sums, _ = kernels._launch(a, b, 0)
+    finally:
+        builder.create_add = add
+    new_interpreter = sums == [s + 1 for s in kernels._truth(a, b, 0)[0]]
+    return new_code and new_interpreter
+
+
+def test_other_code_or_another_interpreter_runs_again(store, monkeypatch):
+    assert _runs_again(*kernels._inputs(21))
+    # planted: a function named by its arguments alone, or the interpreter not named at all
+    monkeypatch.setattr(interpreter_store, "_code", lambda code: repr(code.co_varnames))
+    blind = interpreter_store.Store(store.directory.parent / "blind-code")
+    monkeypatch.setattr(interpreter_store, "default_store", lambda: blind)
+    assert not _runs_again(*kernels._inputs(22))
+    monkeypatch.undo()
+    monkeypatch.setattr(interpreter_store, "_owners_name", lambda owners: "")
+    blind = interpreter_store.Store(store.directory.parent / "blind-interpreter")
+    monkeypatch.setattr(interpreter_store, "default_store", lambda: blind)
+    assert not _runs_again(*kernels._inputs(23))
+
+
+def _entry() -> tuple:
+    values = np.arange(-4, 4, dtype=np.int32).view(np.uint8)
+    mask = np.packbits(np.arange(32) % 2 == 0)
+    writes = ((1, None, values), (2, mask, values[::2].copy()))
+    reads = ((0, None, bytes(range(16))), (3, mask, bytes(16)))
+    return reads, writes, sum(w[2].nbytes for w in writes) + 2 * mask.nbytes
+
+
+def _found(store, name):
+    return store.find(name, lambda index, mask, digest: index == 3 or
+                      (index, mask, digest) == (0, None, bytes(range(16))))
+
+
+def test_an_entry_reads_back_whole_and_a_torn_or_altered_one_is_a_miss_and_removed(store):
+    store.save("a" * 32, _entry())
+    found = _found(store, "a" * 32)
+    assert found is not None and found[2] == _entry()[2]
+    assert [(i, None if m is None else m.tobytes(), d) for i, m, d in found[0]] == \
+        [(i, None if m is None else m.tobytes(), d) for i, m, d in _entry()[0]]
+    for (i, m, v), (j, n, w) in zip(found[1], _entry()[1], strict=True):
+        assert i == j and (m is None) == (n is None) and (m is None or m.tobytes() == n.tobytes())
+        assert v.dtype == w.dtype and v.tobytes() == w.tobytes()
+    assert store.find("a" * 32, lambda index, mask, digest: False) is None  # other bytes read
+    (file,) = (store.directory / ("a" * 32)).iterdir()
+    for spoil in (lambda d: d[:-40], lambda d: d[:60] + bytes([d[60] ^ 1]) + d[61:]):
+        store.save("a" * 32, _entry())
+        file.write_bytes(spoil(file.read_bytes()))
+        assert _found(store, "a" * 32) is None and not file.exists()
+    part = store.directory / ("a" * 32) / ".being-written.part"
+    part.write_bytes(b"half")
+    assert _found(store, "a" * 32) is None and part.exists()  # another process's, left alone
+
+
+def test_the_least_recently_used_entries_go_first_past_the_budget(store):
+    for i in range(8):
+        store.save(f"{i:032x}", _entry())
+        os.utime(next((store.directory / f"{i:032x}").iterdir()), (i, i))
+    size = next((store.directory / f"{0:032x}").iterdir()).stat().st_size
+    assert _found(store, f"{0:032x}") is not None  # used now: the newest
+    store.prune(budget=5 * size)  # over: kept down to 3/4 of it, 3 entries
+    kept = sorted(p.name for p in store.directory.iterdir() if p.is_dir())  # none left empty
+    assert kept == [f"{i:032x}" for i in (0, 6, 7)]
+
+
+def test_a_global_without_a_name_by_content_keeps_its_launch_in_its_process():
+    with pytest.raises(interpreter_store.Unnamed):
+        interpreter_store.content({"a": 1}, strict=True)
+    assert interpreter_store.content({"a": 1}, strict=False) == "object:builtins.dict"
+    assert interpreter_store.content(frozenset("abc"), strict=True) == \
+        interpreter_store.content(frozenset("cba"), strict=True)
+
+
+def test_off_asks_for_no_store(monkeypatch):
+    monkeypatch.setenv("EXACTNESS_LAUNCH_STORE", "off")
+    assert interpreter_store.default_store.__wrapped__().directory is None
+    assert interpreter_replay.tally().keys() == {"run", "replayed", "recalled"}
