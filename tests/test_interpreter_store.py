@@ -161,3 +161,17 @@ def test_off_asks_for_no_store(monkeypatch):
     monkeypatch.setenv("EXACTNESS_LAUNCH_STORE", "off")
     assert interpreter_store.default_store.__wrapped__().directory is None
     assert interpreter_replay.tally().keys() == {"run", "replayed", "recalled"}
+
+
+def test_a_method_planted_in_an_interpreter_class_is_another_interpreter(monkeypatch):
+    """Every class of the interpreter and the language is named by its methods' code: one
+    planted (a test's) leaves the launches in their process."""
+    from triton.runtime import interpreter
+
+    owners = (interpreter, interpreter.TensorHandle)
+    shipped = interpreter_store._owners_name(owners)
+    monkeypatch.setattr(interpreter.TensorHandle, "clone", lambda self: self)
+    with pytest.raises(interpreter_store.Unnamed):
+        interpreter_store._owners_name(owners)
+    monkeypatch.undo()
+    assert interpreter_store._owners_name(owners) == shipped

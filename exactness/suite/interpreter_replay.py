@@ -191,8 +191,12 @@ def install(interpreter, core, run_launch) -> tuple:
     import triton.language as tl
 
     semantics = [c for c in type(interpreter.interpreter_semantic).__mro__ if c is not object]
-    owners = (interpreter, builder_class, *semantics, tl, core, tl.math, tl.standard,
-              core.tensor)
+    # the interpreter's and the language's modules and every class they define (a method
+    # planted in one is another interpreter)
+    classes = [v for module in (interpreter, core) for v in vars(module).values()
+               if isinstance(v, type) and v.__module__ == module.__name__]
+    owners = tuple(dict.fromkeys((interpreter, *semantics, tl, core, tl.math, tl.standard,
+                                  builder_class, *classes)))
     launches: collections.OrderedDict = collections.OrderedDict()  # key -> [entry]
     pinned: dict = {}  # the code's identities -> (that tuple, its objects, kept alive: ids stay
     # unique); every key holds the one tuple (thousands of ids) of its code

@@ -72,6 +72,8 @@ def content(value, strict: bool, depth: int = 0) -> str:
         return f"fn:{value.__module__}:{_code(value.__code__)}:{defaults}{keywords}{closure}"
     if kind is types.CodeType:
         return _code(value)
+    if kind in (list, set) and not strict:  # (the interpreter's state: a cache, a count)
+        return f"object:{kind.__name__}"
     if kind in (tuple, list):
         return f"{kind.__name__}:[{','.join(more(v) for v in value)}]"
     if kind in (frozenset, set):
@@ -90,12 +92,12 @@ def content(value, strict: bool, depth: int = 0) -> str:
     if kind is property:
         return f"property:{more(value.fget)}:{more(value.fset)}"
     if kind is functools.partial:
-        keywords = sorted(value.keywords.items())
+        keywords = tuple(sorted(value.keywords.items()))
         return f"partial:{more(value.func)}:{more(value.args)}:{more(keywords)}"
     name = f"{kind.__module__}.{kind.__qualname__}"
     if type(getattr(value, "fn", None)) is types.FunctionType and name.startswith("triton."):
         # @triton.jit (interpreted: rewritten from its source, as its function was compiled)
-        options = sorted(getattr(value, "kwargs", {}).items())
+        options = tuple(sorted(getattr(value, "kwargs", {}).items()))
         return f"jit:{name}:{more(value.fn)}:{more(options)}"
     if name == "triton.language.core.constexpr":
         return f"constexpr:{more(value.value)}"
@@ -104,8 +106,8 @@ def content(value, strict: bool, depth: int = 0) -> str:
     if name in ("torch.dtype", "numpy.dtype"):
         return f"{name}:{value}"
     if dataclasses.is_dataclass(value):
-        return f"data:{name}:" + more([(f.name, getattr(value, f.name))
-                                      for f in dataclasses.fields(value)])
+        return f"data:{name}:" + more(tuple((f.name, getattr(value, f.name))
+                                            for f in dataclasses.fields(value)))
     if strict and not name.startswith("triton."):  # (Triton's: the interpreter's, named whole)
         raise Unnamed(f"a global of type {name}")
     return f"object:{name}"
@@ -298,7 +300,7 @@ _OWN_MODULES = {"triton", "exactness", "dataclasses", "typing", "functools", "co
 def _foreign(value) -> bool:
     function = getattr(value, "__func__", value)  # (staticmethod, classmethod)
     return type(function) is types.FunctionType and \
-        function.__module__.partition(".")[0] not in _OWN_MODULES
+        (function.__module__ or "").partition(".")[0] not in _OWN_MODULES
 
 
 _ABSENT = object()
