@@ -304,6 +304,9 @@ def _foreign(value) -> bool:
 
 
 _ABSENT = object()
+# a class's attributes no launch computes with; Triton and introspection add them as a
+# process goes (tl.tensor's __repr__ at the first launch that runs, an empty __annotations__)
+_UNUSED = {"__dict__", "__weakref__", "__doc__", "__annotations__", "__repr__", "__str__"}
 # the last owners' attributes, their ids, their name; an attribute that is the interpreter
 # module's own, copied into a language module when Triton rewrites one of its functions for the
 # interpreter (which happens at a function's first call: a process's history), is named once,
@@ -322,7 +325,7 @@ def _owners_name(owners: tuple) -> str:
         interpreter = vars(owners[0])  # (the first: Triton's interpreter module)
         described = [(getattr(o, "__qualname__", getattr(o, "__name__", type(o).__qualname__)),
                       sorted((k, content(v, strict=False)) for k, v in vars(o).items()
-                             if k not in ("__dict__", "__weakref__", "__doc__") and
+                             if k not in _UNUSED and
                              (o is owners[0] or interpreter.get(k, _ABSENT) is not v)))
                      for o in owners]
         _owners_named[:] = values, made_of, hashlib.blake2b(repr(described).encode(),
