@@ -174,7 +174,8 @@ def install(interpreter, core, run_launch) -> tuple:
     import numpy as np
     import torch
 
-    if os.environ.get("EXACTNESS_LAUNCH_TALLY"):
+    if os.environ.get("EXACTNESS_LAUNCH_TALLY"):  # once, however often installed
+        atexit.unregister(_write_tally)
         atexit.register(_write_tally, os.environ["EXACTNESS_LAUNCH_TALLY"])
 
     builder_class = interpreter.InterpreterBuilder
@@ -319,9 +320,7 @@ def install(interpreter, core, run_launch) -> tuple:
                 read.append((index, None, digests.get(index) or _digest(before[index])))
             else:  # these bytes only (an output of torch.empty, read where it was written)
                 read.append((index, np.packbits(mask), _digest(before[index][mask])))
-        entry = (tuple(read), tuple(writes),
-                 sum(w[2].nbytes + (0 if w[1] is None else w[1].nbytes) for w in writes)
-                 + sum(0 if r[1] is None else r[1].nbytes for r in read))
+        entry = (tuple(read), tuple(writes), interpreter_store.held_bytes(read, writes))
         # Triton's first launch adds to its classes: a launch that changed its code is not kept
         # here (its key is gone), but stored (the next process starts from the same code)
         if code_of(self) is key[0]:

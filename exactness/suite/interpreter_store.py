@@ -39,7 +39,7 @@ import time
 import types
 from pathlib import Path
 
-__all__ = ["BUDGET_BYTES", "Store", "content", "default_store"]
+__all__ = ["BUDGET_BYTES", "Store", "content", "default_store", "held_bytes"]
 
 BUDGET_BYTES = 2 << 30  # the store's files, all together: pruned to 3/4 of it when over
 _MAGIC = b"exactness-launch-2\n"
@@ -226,29 +226,24 @@ class Store:
             (length,) = struct.unpack("<Q", body[len(_MAGIC):at])
             header = json.loads(body[at:at + length])
             at += length
-            reads = []
-            for index, mask_bytes, digest in header["reads"]:
-                mask = None
-                if mask_bytes is not None:
-                    mask = np.frombuffer(body, np.uint8, mask_bytes, at).copy()
-                    at += mask_bytes
-                reads.append((index, mask, bytes.fromhex(digest)))
-            writes = []
-            for index, mask_bytes, dtype, nbytes in header["writes"]:
-                mask = None
-                if mask_bytes is not None:
-                    mask = np.frombuffer(body, np.uint8, mask_bytes, at).copy()
-                    at += mask_bytes
-                values = np.frombuffer(body, np.uint8, nbytes, at).view(dtype).copy()
+
+            def take(nbytes: int | None):
+                """The next `nbytes` of the body as uint8 (None: None), in the order save wrote."""
+                nonlocal at
+                if nbytes is None:
+                    return None
                 at += nbytes
-                writes.append((index, mask, values))
+                return np.frombuffer(body, np.uint8, nbytes, at - nbytes).copy()
+
+            reads = [(index, take(mask_bytes), bytes.fromhex(digest))
+                     for index, mask_bytes, digest in header["reads"]]
+            writes = [(index, take(mask_bytes), take(nbytes).view(dtype))
+                      for index, mask_bytes, dtype, nbytes in header["writes"]]
         except (OSError, ValueError, KeyError, TypeError, struct.error):
             with contextlib.suppress(OSError):
                 path.unlink()
             return None
-        return tuple(reads), tuple(writes), sum(
-            w[2].nbytes + (0 if w[1] is None else w[1].nbytes) for w in writes) + sum(
-            0 if r[1] is None else r[1].nbytes for r in reads)
+        return tuple(reads), tuple(writes), held_bytes(reads, writes)
 
     def _prune_now_and_then(self) -> None:
         """At most once an hour across processes: the oldest used entries go, past the budget."""
@@ -280,6 +275,12 @@ class Store:
                 os.unlink(path)
                 total -= size
                 os.rmdir(os.path.dirname(path))  # where it was the last (else: not empty)
+
+
+def held_bytes(reads, writes) -> int:
+    """The bytes an entry holds: the written values and every mask."""
+    return sum(v.nbytes for _, _, v in writes) + sum(
+        m.nbytes for _, m, _ in (*reads, *writes) if m is not None)
 
 
 def _code_name(kernel_objects: tuple, owners: tuple) -> str | None:
