@@ -134,9 +134,9 @@ def _remember(verdicts: list[Verdict]) -> None:
         os.replace(partial, CACHE)
 
 
-def prove_once(o: ob.Obligation) -> Verdict:
+def prove_once(o: ob.Obligation, timeout_s: float = 60.0) -> Verdict:
     """prove(o) through the checkout's cache: Z3 runs for a query it has not answered here."""
-    v = prove(o, cache=_cache())
+    v = prove(o, timeout_s, cache=_cache())
     _remember([v])
     return v
 
