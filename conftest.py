@@ -5,8 +5,20 @@ CPU lacks AVX-512 VNNI, and a planted mutant where EXACTNESS_MUTANT names one.""
 import functools
 import os
 import re
+import sys
 
 import pytest
+
+# OpenMP's threads sleep when idle, not spin (set before torch loads libgomp; inherited by the
+# xdist workers and every child). Two workers on two cores each run the C kernels and torch on
+# two threads: spinning, a worker's idle threads took the core the other worker's kernel was
+# waiting for, and the C kernels' tests ran 2x slower. The threads and their work are the same.
+os.environ.setdefault("OMP_WAIT_POLICY", "passive")
+if "torch" in sys.modules:  # too late to take effect: say so rather than run 2x slower unseen
+    import warnings
+
+    warnings.warn("torch was imported before conftest.py: OMP_WAIT_POLICY=passive not applied",
+                  stacklevel=1)
 
 # One device for the whole suite: EXACTNESS_DEVICE (exactness.suite.device); where it is unset
 # and there is no GPU, the interpreter (set before triton is first imported: it is read then).
