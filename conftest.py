@@ -114,5 +114,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_runtest_setup(item):
-    """The running test's stage, for the outputs-compared tally (counterexamples._count)."""
+    """The running test's stage, for the outputs-compared tally (counterexamples._count); in a
+    repeating profile, the global generators seeded from its node id (profiles.seed_of_test)."""
     os.environ["EXACTNESS_STAGE"] = stage_of(item) or "-"
+    seed = profiles.seed_of_test(item.nodeid)
+    if seed is not None:
+        import random
+
+        import numpy as np
+        import torch
+
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)

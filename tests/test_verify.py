@@ -3,6 +3,7 @@
 import os
 import subprocess
 import sys
+import zlib
 
 import pytest
 
@@ -269,3 +270,37 @@ def test_the_example_database_is_the_directory_ci_keeps_and_its_artifacts(monkey
     monkeypatch.setenv("EXACTNESS_HYPOTHESIS_GITHUB", "no-slash")
     with pytest.raises(ValueError, match="OWNER/REPO"):
         example_database()
+
+
+def test_a_repeating_profile_seeds_each_test_from_its_node_id(request, monkeypatch):
+    """In the ci profiles every test starts with Python's, numpy's and torch's generators seeded
+    from its node id (conftest, profiles.seed_of_test): its own data repeats whatever ran before
+    it in its worker. In dev they are left as they are. The hook runs here under each profile,
+    so this test checks the same whatever profile runs it."""
+    import random
+
+    import numpy as np
+    import torch
+
+    from exactness.suite.profiles import SEEDED, seed_of_test
+
+    setup = sys.modules["conftest"].pytest_runtest_setup
+    monkeypatch.setenv("EXACTNESS_STAGE", os.environ.get("EXACTNESS_STAGE", "-"))
+
+    def draws(profile):
+        monkeypatch.setenv("HYPOTHESIS_PROFILE", profile)
+        for _ in range(2):  # whatever the generators held before the hook
+            random.random(), np.random.random(), torch.rand(1)
+        setup(request.node)
+        return random.random(), float(np.random.random()), float(torch.rand(1))
+
+    seed = zlib.crc32(request.node.nodeid.encode())
+    random.seed(seed), np.random.seed(seed), torch.manual_seed(seed)
+    want = random.random(), float(np.random.random()), float(torch.rand(1))
+    assert {"ci", "ci-kill"} <= SEEDED and "dev" not in SEEDED and "thorough" not in SEEDED
+    for profile in ("ci", "ci-kill"):
+        assert draws(profile) == want
+        assert seed_of_test(request.node.nodeid) == seed != seed_of_test("tests/other::test")
+    unseeded = draws("dev")
+    assert seed_of_test(request.node.nodeid) is None
+    assert all(got != w for got, w in zip(unseeded, want, strict=True))

@@ -19,6 +19,7 @@ a failure found in CI replays here first. The counterexample files stay the form
 from __future__ import annotations
 
 import os
+import zlib
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import (
@@ -75,6 +76,21 @@ settings.register_profile("thorough", deadline=None, max_examples=thorough_examp
                           database=example_database())
 
 
+# the profiles whose runs repeat: each test's generators are seeded from its node id too
+SEEDED = frozenset({"ci", "ci-kill", "smoke"})
+
+
 def load() -> None:
     """The profile HYPOTHESIS_PROFILE names (default: dev)."""
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def seed_of_test(nodeid: str) -> int | None:
+    """The seed of Python's, numpy's and torch's global generators for the test `nodeid` in a
+    SEEDED profile (None in the others, whose data differs run to run). Hypothesis repeats its
+    own draws there; a test's own torch.randn then repeats too, whatever ran before it in its
+    worker, so a failure replays by its node id, and a warm run's interpreted launches are the
+    last run's (the launch store recalls them)."""
+    if os.environ.get("HYPOTHESIS_PROFILE", "dev") not in SEEDED:
+        return None
+    return zlib.crc32(nodeid.encode())
