@@ -195,11 +195,17 @@ def test_a_failed_fork_server_gives_way_to_a_fresh_python_saying_so_once(tmp_pat
 
 
 def test_the_fork_server_refuses_a_child_that_dies_and_serves_the_next(tmp_path):
-    """A child killed by a signal is reported as such, and the server lives on."""
-    lib, _ = vnni_library.build(stub(CRASHES["SIGSEGV"]))
-    assert "died of SIGSEGV" in vnni_library.judged(lib).verdict.why
+    """A child killed by a signal is reported as such, and the server lives on. The library is
+    new to the machine (a nonce in its source), so its verdict is no cached one: it really runs
+    in a fork of this process's server, whatever ran before in this worker."""
+    assert probe(tmp_path, "before").verdict.why.startswith("before in ")
     process = first_run._SERVER.process
     assert process is not None and process.poll() is None
+    nonce = f"/* {secrets.token_hex(8)} */\n"
+    lib, _ = vnni_library.build(nonce + stub(CRASHES["SIGSEGV"]))
+    outcome = vnni_library.judged(lib)
+    assert outcome.died and "died of SIGSEGV" in outcome.verdict.why, outcome
+    assert process.poll() is None
     assert probe(tmp_path, "after").verdict.why.startswith("after in ")
     assert first_run._SERVER.process is process
 
