@@ -13,6 +13,7 @@ on whichever device is asked for (--device); `read` refuses
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -49,7 +50,10 @@ def _rows(a: np.ndarray, width: int) -> list[list[str]]:
     return [[f"{int(v):0{width // 4}x}" for v in row] for row in a.reshape(a.shape[0], -1)]
 
 
+@functools.cache
 def _versions() -> dict:
+    """Read once a process (each read scans site-packages' metadata: 1.9 s of a warm make
+    verify's CPU, for the documents the fuzz tests write); callers copy it."""
     out = {"python": platform.python_version()}
     for name in ("exactness", "torch", "numpy", "triton", "hypothesis", "z3-solver"):
         try:
@@ -71,7 +75,7 @@ def to_document(case: LinearCase, *, path: str, expected=None, actual=None, sour
         "weight_scale_bits": _rows(case.scale_bits, 16),
         "expected_bits": None if expected is None else _rows(expected, case.out_format.width),
         "actual_bits": None if actual is None else _rows(actual, case.out_format.width),
-        "versions": _versions(),
+        "versions": dict(_versions()),
         "device": describe(),  # where it was found: the device, the GPU's name, Triton's version
     }
     if case.routing is not None:
