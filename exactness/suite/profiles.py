@@ -80,9 +80,14 @@ settings.register_profile("thorough", deadline=None, max_examples=thorough_examp
 SEEDED = frozenset({"ci", "ci-kill", "smoke"})
 
 
-def load() -> None:
+def chosen() -> str:
     """The profile HYPOTHESIS_PROFILE names (default: dev)."""
-    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+    return os.environ.get("HYPOTHESIS_PROFILE", "dev")
+
+
+def load() -> None:
+    """The chosen profile, loaded."""
+    settings.load_profile(chosen())
 
 
 def seed_of_test(nodeid: str) -> int | None:
@@ -91,6 +96,6 @@ def seed_of_test(nodeid: str) -> int | None:
     own draws there; a test's own torch.randn then repeats too, whatever ran before it in its
     worker, so a failure replays by its node id, and a warm run's interpreted launches are the
     last run's (the launch store recalls them)."""
-    if os.environ.get("HYPOTHESIS_PROFILE", "dev") not in SEEDED:
+    if chosen() not in SEEDED:
         return None
     return zlib.crc32(nodeid.encode())
