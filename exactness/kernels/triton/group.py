@@ -10,7 +10,8 @@ import torch
 
 from ... import dataflow
 from ...contract import GROUP_SIZE, float_format
-from .folded import COMBINE_BLOCK, combine_constants, combine_kernel
+from . import folded
+from .folded import COMBINE_BLOCK, combine_constants
 from .launch import BIT_VIEW, BLOCK_M, INTERPRETED, TRITON_INT, fill_slices, tl, triton
 
 GPU_BLOCK_N = 64
@@ -147,7 +148,7 @@ def linear(limbs: torch.Tensor, e_r: torch.Tensor, weight_packed: torch.Tensor,
         limbs.stride(0), limbs.stride(1), weight_packed.stride(0), factor.stride(0), y.stride(0),
         **group_constants(w_bits, n_limbs, out, block_n, block_m, split), num_warps=num_warps)
     if split:
-        combine_kernel[(triton.cdiv(m, COMBINE_BLOCK), triton.cdiv(n, COMBINE_BLOCK))](
+        folded.combine_kernel[(triton.cdiv(m, COMBINE_BLOCK), triton.cdiv(n, COMBINE_BLOCK))](
             t, t, e_r, emin, y_bits, m, n, t.stride(0), y.stride(0),
             **combine_constants(1, 1, out))
     return y
