@@ -169,6 +169,120 @@ def vnni_dot(w_bits: int, dot_bits: int) -> Obligation:
         w_bits=w_bits)
 
 
+# kernel_avx2.h: the stored fields w = q + 2**(bits - 1) (unsigned) against qa's bytes b_l in two's
+# complement, the low ones unsigned and the top one signed; per word of 32 bits, D_l = sum w * b_l
+# over its k (8 of 4-bit fields, 4 of 8-bit ones); P' = sum_l 256**l D_l over a group's words; and
+# P = P' - 2**(bits - 1) * S with S = sum_k qa (four limbs: each 16-bit half so).
+
+
+def avx2_limb(a_bits: int, limb: int) -> tuple[int, int]:
+    """The range of qa's byte `limb` in the AVX2 build's activations (quantize_into)."""
+    limbs = dataflow.act_limbs(a_bits)
+    if limbs == 1:
+        return -act_qmax(a_bits), act_qmax(a_bits)
+    return (-128, 127) if limb == limbs - 1 else (0, 255)
+
+
+def avx2_halves(a_bits: int) -> list[tuple[int, ...]]:
+    """The limbs of each int32 half of P: all of them, or with four limbs (0, 1) and (2, 3)."""
+    limbs = dataflow.act_limbs(a_bits)
+    return [(0, 1), (2, 3)] if limbs == 4 else [tuple(range(limbs))]
+
+
+def avx2_pairs(a_bits: int, field_max: int, pairs: tuple[tuple[int, int], ...],
+               bits: int) -> Callable:
+    """build() for a lane's products of 4 fields (w in [0, field_max]) by 4 bytes of each limb:
+    every pair of `pairs` (indices of the products it adds) fits int`bits`, and so does the sum
+    of the two."""
+
+    def build():
+        names, pre, post = {}, [], []
+        for limb in range(dataflow.act_limbs(a_bits)):
+            lo, hi = avx2_limb(a_bits, limb)
+            terms = []
+            for i in range(4):
+                w, w_ok = signed_var(f"w{limb}_{i}", 0, field_max)
+                b, b_ok = signed_var(f"b{limb}_{i}", lo, hi)
+                names |= {f"w{limb}_{i}": w, f"b{limb}_{i}": b}
+                terms.append(product(w, b))
+                pre += [w_ok, b_ok]
+            sums = [terms[i] + terms[j] for i, j in pairs]
+            post += [*(fits(p, bits) for p in sums), fits(sums[0] + sums[1], bits)]
+        return z3.And(*pre), z3.And(*post), names
+
+    return build
+
+
+def avx2_nibble_pairs(a_bits: int, field_max: int = 15) -> Obligation:
+    """4-bit fields (w in [0, field_max = 15]): each vpmaddubsw pair w0 * b0 + w1 * b1 of every
+    limb fits int16 (none saturates), and so do the two pairs of a chunk's low and high nibbles
+    added by vpaddw (which wraps). (8-bit fields, field_max 255, would saturate.)"""
+    return Obligation(f"avx2-nibble-pairs-a{a_bits}",
+                      "vpmaddubsw pairs of 4-bit fields and qa's bytes, two added, fit int16",
+                      avx2_pairs(a_bits, field_max, ((0, 1), (2, 3)), 16), w_bits=4,
+                      a_bits=a_bits, acc_bits=16)
+
+
+def avx2_byte_words(a_bits: int) -> Obligation:
+    """8-bit fields (w in [0, 255]): vpmaddwd's pairs of 16-bit w * b_l (even k, odd k) fit
+    int32, and so does the sum of a lane's two (byte_dots). (vpmaddubsw's would saturate:
+    avx2-nibble-pairs at 8-bit fields is refuted.)"""
+    return Obligation(f"avx2-byte-words-a{a_bits}",
+                      "vpmaddwd pairs of 8-bit fields and qa's bytes, two added, fit int32",
+                      avx2_pairs(a_bits, 255, ((0, 2), (1, 3)), 32), w_bits=8, a_bits=a_bits,
+                      acc_bits=32)
+
+
+def avx2_group_sum(w_bits: int, a_bits: int, half: tuple[int, ...]) -> Obligation:
+    """A group's P' (one half with four limbs) summed word by word in int32: each word's value
+    sum_l 256**l D_l ((D_1 << 8) + D_0) fits, and every partial sum of the group's words (vphaddd
+    adds them in a tree: each partial sum is a sum of some of the words) stays within int32."""
+    per_word = 32 // w_bits  # k a 32-bit word holds
+    w_max = 2**w_bits - 1
+    d_max = [per_word * w_max * max(map(abs, avx2_limb(a_bits, limb))) for limb in half]
+    word_bound = sum(d << (8 * i) for i, d in enumerate(d_max))
+
+    def make():
+        names, pre, value = {}, [], const(0)
+        for i, d in enumerate(d_max):
+            v, ok = signed_var(f"D{half[i]}", -d, d)
+            names[f"D{half[i]}"] = v
+            pre.append(ok)
+            value = value + (wide(v) << (8 * i))
+        return value, z3.And(*pre), fits(value, 32), names
+
+    return accumulate_step(
+        f"avx2-group-sum-w{w_bits}-a{a_bits}-l{half[0]}",
+        f"a group's words' sum_l 256**l D_l (limbs {half}) in int32", 32,
+        GROUP_SIZE // per_word, word_bound, make, w_bits=w_bits, a_bits=a_bits)
+
+
+def avx2_offset(w_bits: int, a_bits: int, half: tuple[int, ...]) -> Obligation:
+    """P = P' - (S << (bits - 1)) in int32: the fields' offset 2**(bits - 1) taken off on the
+    activations' side (S: the group's sum of qa, or of its 16-bit half), both terms and the
+    difference fitting int32, for every P' within the group bound (avx2-group-sum)."""
+    per_word = 32 // w_bits
+    w_max = 2**w_bits - 1
+    p_max = GROUP_SIZE // per_word * sum(
+        per_word * w_max * max(map(abs, avx2_limb(a_bits, limb))) << (8 * i)
+        for i, limb in enumerate(half))
+    s_lo = min(avx2_limb(a_bits, half[-1])[0] << (8 * (len(half) - 1)), 0)
+    s_hi = sum(avx2_limb(a_bits, limb)[1] << (8 * i) for i, limb in enumerate(half))
+    if len(half) == 1 or dataflow.act_limbs(a_bits) == 2:  # S sums qa itself
+        s_lo, s_hi = -act_qmax(a_bits), act_qmax(a_bits)
+
+    def build():
+        p, p_ok = signed_var("P'", -p_max, p_max)
+        s, s_ok = signed_var("S", GROUP_SIZE * s_lo, GROUP_SIZE * s_hi)
+        offset = wide(s) << (w_bits - 1)
+        return (z3.And(p_ok, s_ok), z3.And(fits(offset, 32), fits(wide(p) - offset, 32)),
+                {"P'": p, "S": s})
+
+    return Obligation(f"avx2-offset-w{w_bits}-a{a_bits}-l{half[0]}",
+                      f"P' - (S << {w_bits - 1}) in int32 (limbs {half})", build,
+                      w_bits=w_bits, a_bits=a_bits, acc_bits=32)
+
+
 def amx_span_digits(w_bits: int) -> Obligation:
     """cpu_amx.c's fold: q * f with |f| <= dataflow.span_fold_limit, as vpmullw computes it (16
     bits, wrapping), is exact; its low byte read as u8 (lo, vpmovwb) and its arithmetic shift by 8
@@ -404,16 +518,20 @@ def span_unshifted(a_bits: int, dot_bits: int) -> Obligation:
                       acc_bits=dot_bits)
 
 
-def four_limb_bounds(w_bits: int, biased: bool) -> tuple[int, int]:
+def four_limb_bounds(w_bits: int, kind: str) -> tuple[int, int]:
     """The largest |P_lo| and |P_hi| of a four-limb group: P_lo = 256 * D_1 + D_0 and
-    P_hi = 256 * D_3 + D_2, each D_j a limb dot of 32 (group-dot). `biased`: cpu_vnni.c's
+    P_hi = 256 * D_3 + D_2, each D_j a limb dot of 32 (group-dot). "vnni": the AVX-512 build's
     (vnni_four_limbs), whose biased dots vnni-dot bounds by 32 * 255 * 2**(w_bits - 1) and whose
-    P_hi also holds the correction -2**15 * sum_k q."""
-    if not biased:
+    P_hi also holds the correction -2**15 * sum_k q. "avx2": the AVX2 build's, P_lo = sum_k q *
+    (qa & 0xFFFF) and P_hi = sum_k q * (qa >> 16)."""
+    if kind == "avx2":
+        q_max = GROUP_SIZE * 2 ** (w_bits - 1)
+        return q_max * 0xFFFF, q_max * 2**15
+    if kind == "group":
         dot = GROUP_SIZE * 128 * 2 ** (w_bits - 1)
         return 257 * dot, 257 * dot
     dot, wsum = GROUP_SIZE * 255 * 2 ** (w_bits - 1), GROUP_SIZE * 2 ** (w_bits - 1)
-    return 257 * dot, 257 * dot + 2**15 * wsum
+    return 257 * dot, 257 * dot + 2**15 * wsum  # "vnni"
 
 
 def vnni_four_limbs(w_bits: int, a_bits: int, dot_bits: int) -> Obligation:
@@ -448,13 +566,14 @@ def vnni_four_limbs(w_bits: int, a_bits: int, dot_bits: int) -> Obligation:
                       w_bits=w_bits, a_bits=a_bits, acc_bits=dot_bits)
 
 
-def four_limb_terms(w_bits: int, a_bits: int, k: int, spread: int, biased: bool) -> Obligation:
+def four_limb_terms(w_bits: int, a_bits: int, k: int, spread: int, kind: str) -> Obligation:
     """A group term at 32-bit activations, (P_hi * c << 16) + P_lo * c with c = ms << shift:
     both products, the shift and the sum fit int64 for every P_hi and P_lo of four_limb_bounds,
     shift <= spread. So the term is P * c exactly (P' * c: the Triton kernels add the limb
-    offset apart), the term the combine proof sums. `biased`: cpu_vnni.c's (two vpmuldq), else
-    the Triton kernels' group_term."""
-    lo_max, hi_max = four_limb_bounds(w_bits, biased)
+    offset apart), the term the combine proof sums. `kind`: "vnni" (the AVX-512 build's two
+    vpmuldq), "group" (the Triton kernels' group_term) or "avx2" (the AVX2 build's halves of qa
+    itself)."""
+    lo_max, hi_max = four_limb_bounds(w_bits, kind)
     mant = 2**dataflow.SCALE_MANT_BITS - 1
     bits = dataflow.COMBINE_ACC_BITS
 
@@ -469,7 +588,7 @@ def four_limb_terms(w_bits: int, a_bits: int, k: int, spread: int, biased: bool)
                 z3.And(fits(high, bits), fits(low, bits), fits(high + low, bits)),
                 {"P_hi": p_hi, "P_lo": p_lo, "ms": ms, "shift": sh})
 
-    return Obligation(f"{'vnni' if biased else 'group'}-four-limb-terms-w{w_bits}-a{a_bits}-k{k}",
+    return Obligation(f"{kind}-four-limb-terms-w{w_bits}-a{a_bits}-k{k}",
                       f"(P_hi * c << 16) + P_lo * c in int{bits}, spread <= {spread}", build,
                       w_bits=w_bits, a_bits=a_bits, k=k, acc_bits=bits, spread=spread)
 
@@ -741,15 +860,20 @@ def for_config(w_bits: int, a_bits: int, k: int, acc_bits: int | None = None,
                         cpu_float64_recombine(w_bits, a_bits, k, spread)]
     limbs = dataflow.act_limbs(a_bits)
     obligations += [group_dot(w_bits, a_bits, dot), vnni_dot(w_bits, dot)]
+    # the AVX2 build: vpmaddubsw pairs of 4-bit fields, vpmaddwd ones of 8-bit fields
+    obligations.append(avx2_nibble_pairs(a_bits) if w_bits == 4 else avx2_byte_words(a_bits))
+    for half in avx2_halves(a_bits):
+        obligations += [avx2_group_sum(w_bits, a_bits, half), avx2_offset(w_bits, a_bits, half)]
     if dataflow.amx_holds(k, w_bits, a_bits, spread):  # else the AMX kernel refuses the layer
         obligations += [amx_span_digits(w_bits), amx_span_dot(dot), amx_span_terms(a_bits),
                         amx_span_combine(w_bits, a_bits, k, spread)]
     if limbs > 1:  # four limbs: each half recombines as two limbs do
         obligations.append(group_recombine(w_bits, a_bits, dot))
     if limbs == 4:
-        obligations += [four_limb_terms(w_bits, a_bits, k, spread, biased=False),
+        obligations += [four_limb_terms(w_bits, a_bits, k, spread, "group"),
                         vnni_four_limbs(w_bits, a_bits, dot),
-                        four_limb_terms(w_bits, a_bits, k, spread, biased=True)]
+                        four_limb_terms(w_bits, a_bits, k, spread, "vnni"),
+                        four_limb_terms(w_bits, a_bits, k, spread, "avx2")]
     else:
         obligations.append(vnni_recombine(w_bits, a_bits, dot))
     if (w_bits, a_bits) == (4, 16):  # the span kernel's configuration

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from exactness.kernels.cpu.vnni_library import SIGNATURES
+from exactness.kernels.cpu.vnni_library import AVX512
 from exactness.kernels.registry import Fit
 
 # the statement planted, and the signal it raises on x86-64 Linux
@@ -17,9 +17,9 @@ CRASHES = {
 }
 HANG = "for (volatile int forever = 1; forever;) {}"
 
-# cpu_vnni.c's entry points (vnni_library.SIGNATURES binds each): the quantization's first pass,
-# the first the self-check calls, holds the planted statement
-ENTRY_POINTS = tuple(name for name in SIGNATURES if name != "row_exponents")
+# the C kernel's entry points (its AVX-512 build binds each; the AVX2 build, a part of them): the
+# quantization's first pass, the first the self-check calls, holds the planted statement
+ENTRY_POINTS = tuple(name for name in AVX512.signatures if name != "row_exponents")
 
 
 def stub(statement: str) -> str:
@@ -43,7 +43,7 @@ def tiles_without_the_tile_state(file: Path, digest: str) -> Fit:
     process was never granted the state."""
     from exactness.kernels.cpu import amx_check, amx_library, vnni_library
 
-    lib, why = vnni_library.load_file(file, digest)
+    lib, why = vnni_library.AVX512.load_file(file, digest)
     return amx_check.self_check(amx_library.bind(lib)) if lib is not None else why
 
 

@@ -28,8 +28,8 @@ from tests.test_modules import skip_unless_here
 
 pytestmark = pytest.mark.stage("equivalence")  # make verify's stage
 # the kernels that hold 32-bit activations: the group kernels (four limbs) and the CPU's wide ones
-HOLD_32_BITS = ("vnni-limbs", "vnni-grouped", "float64-gemm", "int64-matmul", "triton-group",
-                "triton-grouped", "wide")
+HOLD_32_BITS = ("vnni-limbs", "vnni-grouped", "avx2-limbs", "avx2-grouped", "float64-gemm",
+                "int64-matmul", "triton-group", "triton-grouped", "wide")
 
 
 def true_product_bits(case: LinearCase) -> np.ndarray:
@@ -144,8 +144,9 @@ def test_the_cpu_plan_at_32_bits_takes_the_c_kernel_and_says_why_not_the_others(
     """The C kernel carries four limbs; the int8 GEMMs carry two, and say so."""
     layer = ExactLinear.from_weight(torch.randn(8, 64), act_bits=32)
     plan = layer.plan(torch.randn(3, 64))
-    assert plan.kernel.name == ("vnni-limbs" if "vnni-limbs" in available_paths()
-                                else "float64-gemm")
+    c_kernels = [k.name for k in (vnni.LIMBS, vnni.AVX2_LIMBS)
+                 if k.auto and k.name in available_paths()]
+    assert plan.kernel.name == (c_kernels[0] if c_kernels else "float64-gemm")
     gemm = next(k for k in REGISTRY if k.name == "int8-gemm")
     assert "needs 4 int8 limbs, it carries at most 2" in gemm.eligible(3, layer.weights()).why
 
@@ -171,8 +172,11 @@ def test_an_moe_projection_at_32_bits_has_each_experts_bits(grouped_limbs, monke
     """The C grouped kernel carries four limbs: one call, no warning. Where the grouped kernel
     carries two (as Triton's does), the projection warns once, naming the limbs, and runs each
     expert's layer. Either way, each routed row has its expert's own bits."""
-    skip_unless_here("vnni-grouped")
-    monkeypatch.setattr(vnni.GROUPED, "act_limbs", grouped_limbs)
+    kernel = next((k for k in (vnni.GROUPED, vnni.AVX2_GROUPED)
+                   if k.auto_grouped and k.name in available_paths()), vnni.GROUPED)
+    skip_unless_here(kernel.name)
+    for other in (vnni.GROUPED, vnni.AVX2_GROUPED):  # the plan's first C kernel: this one
+        monkeypatch.setattr(other, "act_limbs", grouped_limbs)
     torch.manual_seed(0)
     layers = [[ExactLinear.from_weight(torch.randn(16, 64), act_bits=32)] for _ in range(3)]
     x = torch.randn(5, 64).bfloat16()
@@ -180,8 +184,8 @@ def test_an_moe_projection_at_32_bits_has_each_experts_bits(grouped_limbs, monke
     routing = route(ids, 3)
     registry.warn_fallback.cache_clear()  # once a process: another test may have said it already
     calls = []
-    run_grouped = vnni.GROUPED.run_grouped
-    monkeypatch.setattr(vnni.GROUPED, "run_grouped",
+    run_grouped = kernel.run_grouped
+    monkeypatch.setattr(kernel, "run_grouped",
                         lambda *args, **kw: calls.append(1) or run_grouped(*args, **kw))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

@@ -51,7 +51,7 @@ def fresh_status():
 
 def emulated(monkeypatch) -> None:
     monkeypatch.setenv("EXACTNESS_AMX", "emulate")
-    if vnni_library.missing_features():
+    if vnni_library.AVX512.missing_features():
         monkeypatch.setenv("EXACTNESS_NATIVE", "emulate")
 
 
@@ -244,7 +244,7 @@ def test_the_real_tiles_compile_here(monkeypatch):
     the real AVX-512 build too: SIMDe's emulation and the real tiles' <immintrin.h> clash, on a
     CPU without VNNI, where the suite emulates the rest."""
     monkeypatch.setenv("EXACTNESS_NATIVE", "1")
-    lib, why = vnni_library.build(amx_library.source(False), amx_library.FLAGS)
+    lib, why = vnni_library.AVX512.build(amx_library.source(False), amx_library.FLAGS)
     assert lib is not None, why.why
     assert hasattr(lib, "exact_linear_amx") and hasattr(lib, "amx_request")
 

@@ -13,12 +13,13 @@ import torch
 
 from exactness import ExactLinear, ops
 from exactness.kernels import KernelUnavailableError, first_run, registry, toolchain
-from exactness.kernels.cpu import amx_library, vnni_library
+from exactness.kernels.cpu import amx_library, vnni, vnni_library
 from tests.crashing_kernels import CRASHES, HANG, planted, stub
 
 pytestmark = pytest.mark.stage("reliability")  # make verify's stage
 
-CACHES = (vnni_library.status, amx_library.status, registry.warn_fallback)
+CACHES = (vnni_library.AVX512.status, vnni_library.AVX2.status, amx_library.status,
+          registry.warn_fallback)
 
 
 @pytest.fixture
@@ -34,11 +35,11 @@ def fresh(tmp_path):
     ops.PLANS.clear()
 
 
-def with_c_source(monkeypatch, tmp_path, text: str) -> None:
-    """vnni_library.SOURCE replaced by `text`, as if cpu_vnni.c said that."""
-    source = tmp_path / "cpu_vnni.c"
-    source.write_text(text)
-    monkeypatch.setattr(vnni_library, "SOURCE", source)
+def with_c_source(monkeypatch, text: str) -> None:
+    """Every build of the C kernel compiles `text`, as if cpu_kernel.c and its ISA files said
+    that."""
+    for build in vnni_library.BUILDS:
+        monkeypatch.setattr(build, "source", lambda texts=None: text)
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -48,16 +49,18 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("signal", sorted(CRASHES))
 def test_a_c_kernel_that_dies_on_its_first_run_is_refused_and_the_forward_stays_exact(
         signal, fresh, monkeypatch):
-    with_c_source(monkeypatch, fresh, stub(CRASHES[signal]))
-    lib, why = vnni_library.status()
-    assert lib is None, why
-    assert f"died of {signal}" in why.why and "the C kernel" in why.why, why
+    with_c_source(monkeypatch, stub(CRASHES[signal]))
+    for build in vnni_library.BUILDS:
+        lib, why = build.status()
+        assert lib is None, why
+        assert f"died of {signal}" in why.why and "the C kernel" in why.why, why
     w, x = torch.randn(40, 96), torch.randn(5, 96).bfloat16()
     layer = ExactLinear.from_weight(w)
     with pytest.warns(registry.FallbackWarning, match=f"died of {signal}"):
         y = layer(x)
     plan = str(layer.plan(x))
-    assert f"not vnni-limbs: its first run, in a child process, died of {signal}" in plan, plan
+    first = next(k.name for k in (vnni.LIMBS, vnni.AVX2_LIMBS) if k.auto)  # emulated: unasked
+    assert f"not {first}: its first run, in a child process, died of {signal}" in plan, plan
     assert same_bits(y, ExactLinear.from_weight(w, kernel="wide")(x))
     with pytest.raises(KernelUnavailableError, match=f"died of {signal}"):
         ExactLinear.from_weight(w, kernel="vnni-limbs")(x)
@@ -66,16 +69,17 @@ def test_a_c_kernel_that_dies_on_its_first_run_is_refused_and_the_forward_stays_
 def test_a_planted_library_that_dies_is_never_loaded_even_unchecked(fresh):
     """vnni_library.load(check=False), the mutants' door, still refuses a library whose first run
     died: only a failed self-check is let through there."""
-    assert vnni_library.load(stub(CRASHES["SIGSEGV"]), check=False) is None
+    build = vnni_library.AVX512
+    assert build.load(stub(CRASHES["SIGSEGV"]), check=False) is None
     # runs, fails its check: let through
-    assert vnni_library.load(stub(""), check=False) is not None
-    assert vnni_library.load(stub(""), check=True) is None
+    assert build.load(stub(""), check=False) is not None
+    assert build.load(stub(""), check=True) is None
 
 
 def test_a_first_run_that_hangs_is_refused_and_not_cached(fresh, monkeypatch):
     monkeypatch.setenv(first_run.SECONDS, "2")
-    lib, _ = vnni_library.build(stub(HANG))
-    outcome = vnni_library.judged(lib)
+    lib, _ = vnni_library.AVX2.build(stub(HANG))
+    outcome = vnni_library.AVX2.judged(lib)
     assert outcome.died and "did not end within 2 s" in outcome.verdict.why, outcome
     assert "EXACTNESS_FIRST_RUN_SECONDS" in outcome.verdict.why
     so = lib.exactness_file
@@ -83,19 +87,20 @@ def test_a_first_run_that_hangs_is_refused_and_not_cached(fresh, monkeypatch):
 
 
 def test_the_verdict_is_cached_by_build_and_cpu_so_the_child_runs_once(fresh, monkeypatch):
-    lib, _ = vnni_library.build(stub(CRASHES["SIGILL"]))
-    first = vnni_library.judged(lib)
+    build = vnni_library.AVX512
+    lib, _ = build.build(stub(CRASHES["SIGILL"]))
+    first = build.judged(lib)
     assert first.died and "SIGILL" in first.verdict.why
 
     def no_child(*args, **kwargs):
         raise AssertionError("a second child ran")
 
     monkeypatch.setattr(first_run, "_child", no_child)  # a fork of the server or a new Python
-    assert vnni_library.judged(lib) == first  # the same build on the same CPU: from the cache
+    assert build.judged(lib) == first  # the same build on the same CPU: from the cache
     another = f"another cpu {secrets.token_hex(8)}"  # never judged: the cache is the machine's
     monkeypatch.setattr(toolchain, "machine", lambda: another)
     with pytest.raises(AssertionError, match="a second child ran"):
-        vnni_library.judged(lib)  # another CPU's flags: judged afresh
+        build.judged(lib)  # another CPU's flags: judged afresh
 
 
 def test_a_bad_limit_is_a_typed_error(monkeypatch):
@@ -109,7 +114,7 @@ def test_a_bad_limit_is_a_typed_error(monkeypatch):
 
 def emulated_tiles(monkeypatch) -> None:
     monkeypatch.setenv("EXACTNESS_AMX", "emulate")
-    if vnni_library.missing_features():
+    if vnni_library.AVX512.missing_features():
         monkeypatch.setenv("EXACTNESS_NATIVE", "emulate")
 
 
@@ -145,7 +150,7 @@ def test_real_tiles_run_without_the_tile_state_die_in_the_child_not_here(monkeyp
     outcome = first_run.run(lib.exactness_file, lib.exactness_digest,
                             "tests.crashing_kernels:tiles_without_the_tile_state",
                             "the AMX kernel (real tiles)", toolchain.machine())
-    if outcome.died or amx_library.missing_features() or vnni_library.missing_features():
+    if outcome.died or amx_library.missing_features() or vnni_library.AVX512.missing_features():
         assert outcome.died and "died of SIGILL (an illegal instruction)" in outcome.verdict.why
         assert "the AMX kernel (real tiles)" in outcome.verdict.why
     else:
@@ -202,8 +207,8 @@ def test_the_fork_server_refuses_a_child_that_dies_and_serves_the_next(tmp_path)
     process = first_run._SERVER.process
     assert process is not None and process.poll() is None
     nonce = f"/* {secrets.token_hex(8)} */\n"
-    lib, _ = vnni_library.build(nonce + stub(CRASHES["SIGSEGV"]))
-    outcome = vnni_library.judged(lib)
+    lib, _ = vnni_library.AVX2.build(nonce + stub(CRASHES["SIGSEGV"]))
+    outcome = vnni_library.AVX2.judged(lib)
     assert outcome.died and "died of SIGSEGV" in outcome.verdict.why, outcome
     assert process.poll() is None
     assert probe(tmp_path, "after").verdict.why.startswith("after in ")

@@ -49,6 +49,8 @@ from exactness.suite.strategies import (
 pytestmark = pytest.mark.stage("equivalence")  # make verify's stage
 
 LAYER_PATHS = [p for p in available_paths() if p in BACKENDS]  # the layer as its plan picks
+# each build of the C kernel, asked for by name: the plan takes one of them (or neither)
+C_LIMB_PATHS = [p for p in ("vnni-limbs", "avx2-limbs") if p in available_paths()]
 KERNELS = [kernel.name for kernel in REGISTRY]
 TRITON_DEVICE = triton_device() or "cpu"  # the suite's device (exactness.suite.device)
 needs_triton = pytest.mark.skipif("triton" not in LAYER_PATHS,
@@ -222,27 +224,53 @@ def test_rows_agree_across_the_kernel_switch(case):
     spans = tensor_to_bits(layer_for(case, "vnni-spans")(batch))
     assert (spans[:x.shape[0]] == alone).all()
     layer = layer_for(case, "cpu")
-    assert layer.plan(x).kernel.name == "vnni-limbs"  # fewer rows than SPAN_MIN_ROWS
+    limbs = next(k.name for k in (vnni.LIMBS, vnni.AVX2_LIMBS) if k.auto)  # emulated: unasked
+    assert layer.plan(x).kernel.name == limbs  # fewer rows than SPAN_MIN_ROWS
     assert (tensor_to_bits(layer(x)) == alone).all()
     assert (tensor_to_bits(layer(batch))[:x.shape[0]] == alone).all()
 
 
-def test_the_vnni_kernel_is_in_use_where_the_cpu_has_it():
-    if not vnni_library.missing_features():
-        assert vnni_library.library() is not None
+def test_each_c_build_is_in_use_where_the_cpu_has_it():
+    for build in vnni_library.BUILDS:
+        if not build.missing_features():
+            assert build.library() is not None, build.status()[1]
+
+
+def test_the_plan_takes_the_avx2_kernel_where_vnni_is_missing_and_says_so(monkeypatch):
+    """On a CPU without AVX-512 VNNI (EPYC Rome, Milan) the plan takes the AVX2 build, and the
+    one warning names what the CPU lacks and what runs instead."""
+    skip_unless_here("avx2-limbs")
+    missing = no("the CPU lacks avx512_vnni")
+    monkeypatch.setattr(vnni_library.AVX512, "status", lambda: (None, missing))
+    monkeypatch.setattr(vnni_library.AVX512, "emulated", lambda: False)  # as a user's machine
+    monkeypatch.setattr(ops, "PLANS", {})  # the forwards' plans, made on this machine
+    registry.warn_fallback.cache_clear()
+    w, x = torch.randn(40, 64), torch.randn(3, 64).bfloat16()
+    layer = ExactLinear.from_weight(w)
+    with pytest.warns(registry.FallbackWarning, match=r"\(AVX-512 VNNI\) is not used: the CPU "
+                                                      r"lacks avx512_vnni; its AVX2 build runs"):
+        plan = layer.plan(x)
+    assert plan.kernel.name == "avx2-limbs"
+    assert ("vnni-limbs", "the CPU lacks avx512_vnni") in plan.passed_over
+    wide = ExactLinear.from_weight(w, kernel="wide")
+    assert torch.equal(layer(x).view(torch.int16), wide(x).view(torch.int16))
+    registry.warn_fallback.cache_clear()
 
 
 def test_no_compiler_or_cache_means_no_c_kernel_not_a_crash(tmp_path, monkeypatch):
     in_the_way = tmp_path / "a-file"
     in_the_way.write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(in_the_way))  # the cache cannot be created
-    assert vnni_library.load(vnni_library.SOURCE.read_text()) is None
-    assert "no writable cache" in vnni_library.build(vnni_library.SOURCE.read_text())[1].why
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    assert vnni_library.load("this is not C") is None
-    assert "failed on cpu_vnni.c" in vnni_library.build("this is not C")[1].why
-    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
-    assert "no C compiler" in vnni_library.build("int x;")[1].why
+    for build in vnni_library.BUILDS:
+        monkeypatch.setenv("XDG_CACHE_HOME", str(in_the_way))
+        monkeypatch.delenv("CC", raising=False)
+        assert build.load() is None
+        assert "no writable cache" in build.build()[1].why
+        monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+        assert build.load("this is not C") is None
+        assert f"failed on cpu_kernel_{build.name}.c" in build.build("this is not C")[1].why
+        monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+        assert "no C compiler" in build.build("int x;")[1].why
 
 
 def test_the_self_check_names_what_failed():
@@ -251,7 +279,7 @@ def test_the_self_check_names_what_failed():
     from exactness.suite.mutants import CATALOGUE, mutated_c_kernel
 
     verdict = vnni_check.self_check(mutated_c_kernel(next(
-        m for m in CATALOGUE if m.name == "vnni-rounding-ties-up")))
+        m for m in CATALOGUE if m.name == "vnni-rounding-ties-up"), vnni_library.AVX512))
     assert not verdict and "self-check failed on" in verdict.why and "float" in verdict.why
 
 
@@ -262,23 +290,28 @@ def int_mm_through_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 MACHINES = {  # what this CPU would not do, simulated: (the C kernel's status, torch._int_mm)
-    "no-vnni": (no("the CPU lacks avx512_vnni"), None, "int8-gemm"),
-    "no-vnni-int-mm-inexact": (no("the CPU lacks avx512_vnni"), int_mm_through_fp32,
-                               "float64-gemm"),
+    "no-c-kernel": (no("no C compiler"), None, "int8-gemm"),
+    "no-c-kernel-int-mm-inexact": (no("no C compiler"), int_mm_through_fp32, "float64-gemm"),
 }
+
+
+def without_the_c_kernel(monkeypatch, status) -> None:
+    """Every build of the C kernel refused with `status`, its warning silenced."""
+    for build in vnni_library.BUILDS:
+        monkeypatch.setattr(build, "status", lambda: (None, status))
+    monkeypatch.setattr(vnni, "warn_fallback", lambda *why: None)
 
 
 @pytest.mark.parametrize("machine", MACHINES)
 def test_every_cpu_path_the_plan_takes_on_another_machine(machine, monkeypatch):
-    """The layer's own plan on CPUs this one is not: without AVX-512 VNNI (int8-gemm), and
-    with a torch._int_mm that is not exact (float64-gemm, which no machine here picks). The
-    plan picks the path such a machine would, and it gives the reference's bits, at K past
-    fp32's exact sums (where an inexact _int_mm shows)."""
+    """The layer's own plan on CPUs this one is not: without the C kernel (no compiler:
+    int8-gemm), and with a torch._int_mm that is not exact (float64-gemm, which no machine here
+    picks). The plan picks the path such a machine would, and it gives the reference's bits, at
+    K past fp32's exact sums (where an inexact _int_mm shows)."""
     from exactness.kernels.cpu import gemm
 
     status, int_mm, want = MACHINES[machine]
-    monkeypatch.setattr(vnni_library, "status", lambda: (None, status))
-    monkeypatch.setattr(vnni, "warn_fallback", lambda *why: None)
+    without_the_c_kernel(monkeypatch, status)
     if int_mm is not None:
         monkeypatch.setattr(torch, "_int_mm", int_mm)
     gemm.int_mm_exact.cache_clear()
@@ -299,12 +332,11 @@ def test_every_cpu_path_the_plan_takes_on_another_machine(machine, monkeypatch):
 
 
 def test_the_int64_matmul_takes_what_float64_cannot_hold(monkeypatch):
-    """On a CPU without VNNI or an exact _int_mm, K = 18432 at spread 12 could pass 2**53 in the
+    """Without the C kernel or an exact _int_mm, K = 18432 at spread 12 could pass 2**53 in the
     float64 GEMMs: the plan says so and takes the int64 matmul, with the reference's bits."""
     from exactness.kernels.cpu import gemm
 
-    monkeypatch.setattr(vnni_library, "status", lambda: (None, no("the CPU lacks avx512_vnni")))
-    monkeypatch.setattr(vnni, "warn_fallback", lambda *why: None)
+    without_the_c_kernel(monkeypatch, no("no C compiler"))
     monkeypatch.setattr(torch, "_int_mm", int_mm_through_fp32)
     gemm.int_mm_exact.cache_clear()
     monkeypatch.setattr(ops, "PLANS", {})  # the forwards' plans, made on this machine
@@ -330,13 +362,16 @@ def test_the_int64_matmul_takes_what_float64_cannot_hold(monkeypatch):
 def test_a_fallback_from_the_c_kernel_warns_once_saying_why(monkeypatch):
     layer = ExactLinear.from_weight(torch.randn(8, 64))
     x = torch.randn(2, 64)
-    monkeypatch.setattr(vnni_library, "status", lambda: (None, no("the CPU lacks avx512_vnni")))
+    monkeypatch.setattr(vnni_library.AVX512, "status",
+                        lambda: (None, no("the CPU lacks avx512_vnni")))
+    monkeypatch.setattr(vnni_library.AVX2, "status", lambda: (None, no("the CPU lacks avx2")))
     monkeypatch.setattr(ops, "PLANS", {})  # the forwards' plans, made on this machine
     registry.warn_fallback.cache_clear()
-    with pytest.warns(registry.FallbackWarning, match="not used: the CPU lacks avx512_vnni"):
+    with pytest.warns(registry.FallbackWarning, match=r"\(AVX2\) is not used: the CPU lacks avx2; "
+                                                      "a slower exact CPU kernel runs instead"):
         plan = layer.plan(x)
     assert plan.kernel.name in ("int8-gemm", "int64-matmul")
-    assert ("vnni-limbs", "the CPU lacks avx512_vnni") in plan.passed_over
+    assert ("avx2-limbs", "the CPU lacks avx2") in plan.passed_over
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         layer(x)  # once: no second warning
@@ -496,7 +531,7 @@ def test_the_gpu_checks_two_paths_agree():
     assert same and folded.endswith("digits)")
 
 
-@pytest.mark.parametrize("path", ["vnni-limbs", "int8-gemm", "triton-group"])
+@pytest.mark.parametrize("path", ["vnni-limbs", "avx2-limbs", "int8-gemm", "triton-group"])
 @given(final_rounding_near_ties())
 def test_final_rounding_near_ties(path, case):
     """One rounding from the exact integer: rounding through fp32 first would round twice."""
@@ -508,7 +543,7 @@ def test_final_rounding_near_ties(path, case):
 def test_final_rounding_at_the_top_of_the_range(case):
     """Vectors of outputs at and past fp16's largest finite value: an overflow is infinity, and
     no fast rounding may encode it as anything else."""
-    for path in holding(case, LAYER_PATHS):
+    for path in holding(case, [*LAYER_PATHS, *C_LIMB_PATHS]):
         check_path(case, path)
 
 
@@ -517,7 +552,7 @@ def test_wide_spread_rows_stay_exact(case, data):
     """Scale exponents across the whole bf16 range: certified slow rows take the exact path."""
     case.scale_bits = data.draw(scale_bits(case.shape[2], case.shape[1] // 32, kind="spread"))
     case.scale_bits[0, 0], case.scale_bits[0, -1] = 0x0001, 0x7E00
-    for path in [*holding(case, LAYER_PATHS), "wide"]:
+    for path in [*holding(case, [*LAYER_PATHS, *C_LIMB_PATHS]), "wide"]:
         check_path(case, path)
 
 
@@ -858,24 +893,30 @@ def test_layer_keeps_no_float_copy_of_the_weight():
     assert all(t is layer.weight_scale for t in floats)
 
 
-def test_the_vnni_self_check_passes_in_this_process():
+@pytest.mark.parametrize("kernel", ["vnni-limbs", "avx2-limbs"])
+def test_the_vnni_self_check_passes_in_this_process(kernel):
     """The self-check's Python side (the derived layout it compares against, its twins) as this
-    process has it: first_run's child imports its own."""
-    skip_unless_here("vnni-limbs")
-    verdict = vnni_check.self_check(vnni_library.library())
+    process has it, on each build: first_run's child imports its own."""
+    skip_unless_here(kernel)
+    build = registry.by_name(REGISTRY, kernel).build
+    verdict = vnni_check.self_check(build.library(), build)
     assert verdict, verdict.why
 
 
-def test_the_vnni_self_check_refuses_a_broken_layout():
+@pytest.mark.parametrize("kernel", ["vnni-limbs", "avx2-limbs"])
+def test_the_vnni_self_check_refuses_a_broken_layout(kernel):
     """Had the kernel's layout been wrong at start-up, the layer would not have trusted it."""
     from exactness.suite.mutants import CATALOGUE, applied
 
-    skip_unless_here("vnni-limbs")
-    lib = vnni_library.library()
-    for name in ("vnni-rows-interleaved-wrong", "vnni-scale-of-the-neighbour-group"):
+    skip_unless_here(kernel)
+    build = registry.by_name(REGISTRY, kernel).build
+    lib = build.library()
+    broken = (("vnni-rows-interleaved-wrong", "vnni-scale-of-the-neighbour-group")
+              if build.derived else ("avx2-limbs-twin-in-natural-order",))
+    for name in broken:
         with applied(next(m for m in CATALOGUE if m.name == name)):
-            assert not vnni_check.self_check(lib)
-    assert vnni_check.self_check(lib)
+            assert not vnni_check.self_check(lib, build)
+    assert vnni_check.self_check(lib, build)
 
 
 # --------------------------------------------------------------------------- the layers' options

@@ -5,14 +5,15 @@ import os
 
 import pytest
 
-from exactness.kernels.cpu import amx_library, vnni_library
+from exactness.kernels.cpu import amx_library
 from exactness.suite.mutants import (
     AMX_KERNEL,
-    C_KERNEL,
+    C_FILES,
     CATALOGUE,
     ROOT,
     Mutant,
     applied,
+    c_builds,
     judge,
     mutated_amx_kernel,
     mutated_c_kernel,
@@ -20,6 +21,7 @@ from exactness.suite.mutants import (
     runs_here,
 )
 from exactness.suite.paths import require
+from exactness.suite.targets import AVX2_KERNEL
 
 pytestmark = pytest.mark.stage("mutants")  # make verify's stage
 
@@ -30,13 +32,18 @@ def by_build(mutants: list[Mutant]) -> list:
     two workers started both at once and one waited on the other's build (a cold emulated AMX
     build is about 14 s)."""
     return [pytest.param(m, id=m.name, marks=[pytest.mark.xdist_group(m.name)]
-                         if m.target in (C_KERNEL, AMX_KERNEL) else []) for m in mutants]
+                         if m.target in (*C_FILES, AMX_KERNEL) else []) for m in mutants]
+
+
+def kernel_of(mutant: Mutant) -> str:
+    """The kernel a C or AMX mutant needs: the one whose absence a skip names."""
+    return {AMX_KERNEL: "amx", AVX2_KERNEL: "avx2-limbs"}.get(mutant.target, "vnni-limbs")
 
 
 @pytest.mark.parametrize("mutant", by_build(CATALOGUE))
 def test_mutant_is_killed(mutant: Mutant):
     if not runs_here(mutant):  # a skip where there is no C kernel to plant it in, else a failure
-        require("amx" if mutant.target == AMX_KERNEL else "vnni-limbs")
+        require(kernel_of(mutant))
     # make verify asks only for the first killer (EXACTNESS_FIRST_KILLER=1); make test for all
     every = mutant.every_killer and os.environ.get("EXACTNESS_FIRST_KILLER") != "1"
     verdict = judge(mutant, mutant.killers if every else mutant.killers[:1], every)
@@ -44,13 +51,15 @@ def test_mutant_is_killed(mutant: Mutant):
     assert verdict.killed_by, f"{mutant.name} ({mutant.bug}) survived {verdict.survivors}"
 
 
-@pytest.mark.parametrize("mutant", by_build([m for m in CATALOGUE if m.target == C_KERNEL]))
+@pytest.mark.parametrize("mutant", by_build([m for m in CATALOGUE if m.target in C_FILES]))
 def test_the_start_up_self_check_refuses_the_c_mutant(mutant: Mutant):
     """Had the C kernel carried the bug, the layer would not have used it: the verdict of its
-    first run (the self-check, in a child process) is the one vnni_library.status reads."""
+    first run (the self-check, in a child process) is the one a build's status reads, in every
+    build the bug is planted in."""
     if not runs_here(mutant):
-        require("vnni-limbs")
-    assert not vnni_library.judged(mutated_c_kernel(mutant)).verdict
+        require(kernel_of(mutant))
+    for build in c_builds(mutant):
+        assert not build.judged(mutated_c_kernel(mutant, build)).verdict, build
 
 
 @pytest.mark.parametrize("mutant", by_build([m for m in CATALOGUE if m.target == AMX_KERNEL]))
@@ -113,7 +122,7 @@ def test_every_target_is_found_from_its_object():
 
     assert at(formats.unpack_weights) == "exactness.formats:unpack_weights"
     for mutant in CATALOGUE:
-        if mutant.target in (C_KERNEL, AMX_KERNEL):
+        if mutant.target in (*C_FILES, AMX_KERNEL):
             assert (ROOT / mutant.target).is_file(), mutant.name
             continue
         owner, name, found = _resolve(mutant.target)

@@ -340,6 +340,24 @@ def test_a_32_bit_group_sum_in_int32_is_refuted():
     assert prove(ob.wide_group_sum(4, 32)).verdict == "proved"
 
 
+def test_the_avx2_dots_are_proved_and_refuted_past_their_widths(monkeypatch):
+    """kernel_avx2.h's vpmaddubsw pairs of 4-bit fields fit int16, two added, at every width;
+    at 8-bit fields they would saturate, so those take vpmaddwd (proved). A group's words summed
+    in int32 and the offset taken off on the activations' side are proved, and refuted where
+    the group were 1024 k of 8-bit fields (a width the combine, not int32, could hold)."""
+    for a_bits in (4, 8, 16, 32):
+        assert prove_once(ob.avx2_nibble_pairs(a_bits)).verdict == "proved"
+        assert prove_once(ob.avx2_byte_words(a_bits)).verdict == "proved"
+        for half in ob.avx2_halves(a_bits):
+            for w_bits in (4, 8):
+                assert prove_once(ob.avx2_group_sum(w_bits, a_bits, half)).verdict == "proved"
+                assert prove_once(ob.avx2_offset(w_bits, a_bits, half)).verdict == "proved"
+    assert prove(ob.avx2_nibble_pairs(16, field_max=255), cache={}).verdict == "refuted"
+    with monkeypatch.context() as patch:  # a group of 2**10 k
+        patch.setattr(ob, "GROUP_SIZE", 1024)
+        assert prove(ob.avx2_group_sum(8, 32, (0, 1)), cache={}).verdict == "refuted"
+
+
 def test_the_int64_matmul_is_refuted_one_step_past_the_certified_spread():
     limit = dataflow.certified_spread(18432, 4, 32)
     assert prove_once(ob.cpu_int64_matmul(4, 32, 18432, limit)).verdict == "proved"
@@ -362,8 +380,8 @@ def test_the_four_limb_proofs_refute_planted_bugs(monkeypatch):
     four = ob.vnni_four_limbs(8, 32, dataflow.DOT_ACC_BITS)
     assert prove(four, cache={}).verdict == "proved"
     limit = dataflow.certified_spread(7168, 8, 32)
-    for biased in (True, False):  # the C kernel's terms, and the Triton kernels'
-        terms = (ob.four_limb_terms(8, 32, 7168, spread, biased) for spread in (limit, 40))
+    for kind in ("vnni", "group", "avx2"):  # the C kernel's builds' terms, the Triton kernels'
+        terms = (ob.four_limb_terms(8, 32, 7168, spread, kind) for spread in (limit, 40))
         assert [prove(o, cache={}).verdict for o in terms] == ["proved", "refuted"]
     monkeypatch.setattr(dataflow, "LIMB_OFFSET", 64)  # the biased dots' offset one place short
     assert prove(ob.vnni_four_limbs(8, 32, dataflow.DOT_ACC_BITS), cache={}).verdict == "refuted"

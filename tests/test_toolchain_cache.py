@@ -1,4 +1,4 @@
-"""The compiled C kernel's cache (vnni_library.build): a private directory of this user,
+"""The compiled C kernel's cache (Build.build): a private directory of this user,
 unpredictable temporary files, one compile at a time, a digest checked before a cached library
 loads, and a corrupt library rebuilt or refused, never raised. Each test builds in its own tmp
 cache."""
@@ -18,7 +18,8 @@ from exactness.kernels.cpu import vnni_library
 
 pytestmark = pytest.mark.stage("reliability")  # make verify's stage
 
-ENTRY_POINTS = tuple(vnni_library.SIGNATURES)
+BUILD = vnni_library.AVX2  # a build as any other: the cache knows no kernel
+ENTRY_POINTS = tuple(BUILD.signatures)
 # builds and loads in a fraction of a second (build only binds the entry points, never calls them)
 STUB = "".join(f"void {name}(void) {{}}\n" for name in ENTRY_POINTS)
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
@@ -34,28 +35,28 @@ def cache(tmp_path, monkeypatch):
 
 def cached_name(cache, source: str):
     """Where build keeps `source`'s library: named by the hash of the source and the flags."""
-    compiled, flags, _ = vnni_library.as_compiled(source)
-    return cache / f"cpu_vnni-{toolchain.cache_key(compiled, flags)}.so"
+    compiled, flags, _ = BUILD.as_compiled(source)
+    return cache / f"cpu_kernel_{BUILD.name}-{toolchain.cache_key(compiled, flags)}.so"
 
 
 def compile_to(path, source: str) -> None:
     c = path.with_name(path.name + ".c")
     c.write_text(source)
-    subprocess.run(["cc", *vnni_library.FLAGS, str(c), "-o", str(path)], check=True, timeout=120)
+    subprocess.run(["cc", *BUILD.flags, str(c), "-o", str(path)], check=True, timeout=120)
     c.unlink()
 
 
 def test_the_cache_is_a_private_directory_of_this_user(cache, monkeypatch, tmp_path):
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))  # the directory is what counts
-    vnni_library.build(STUB)
+    BUILD.build(STUB)
     assert stat.S_IMODE(cache.stat().st_mode) == 0o700  # created 0700
     cache.chmod(0o777)
-    lib, why = vnni_library.build(STUB)
+    lib, why = BUILD.build(STUB)
     assert lib is None and "writable by group or others" in why.why, why
     cache.chmod(0o700)
     uid = os.getuid()
     monkeypatch.setattr(os, "getuid", lambda: uid + 1)  # as if another user owned it
-    lib, why = vnni_library.build(STUB)
+    lib, why = BUILD.build(STUB)
     assert lib is None and f"owned by uid {uid}" in why.why, why
 
 
@@ -69,12 +70,12 @@ def test_no_file_is_written_through_a_planted_symlink(cache, monkeypatch, tmp_pa
     cache.mkdir(parents=True, mode=0o700)
     for planted in (so.with_suffix(f".{os.getpid()}.c"), so.with_suffix(f".{os.getpid()}.tmp")):
         planted.symlink_to(victim)
-    vnni_library.build(STUB)  # no library there yet: a compile
+    BUILD.build(STUB)  # no library there yet: a compile
     assert victim.read_text() == "precious"
     for planted in (so, so.with_name(so.name + ".sha256"), so.with_suffix(".lock")):
         planted.unlink(missing_ok=True)
         planted.symlink_to(victim)
-    vnni_library.build(STUB)  # a rebuild, or a refusal: either way not through the links
+    BUILD.build(STUB)  # a rebuild, or a refusal: either way not through the links
     assert victim.read_text() == "precious"
 
 
@@ -89,7 +90,7 @@ def test_concurrent_first_builds_all_get_the_library(cache):
         def build(source=source, start=start, results=results):
             start.wait()
             try:
-                results.append(vnni_library.build(source))
+                results.append(BUILD.build(source))
             except Exception as e:  # noqa: BLE001 - the failure under test
                 results.append((None, e))
 
@@ -114,13 +115,13 @@ def test_a_planted_library_is_not_loaded(cache, tmp_path):
     digest = so.with_name(so.name + ".sha256")
     cache.mkdir(parents=True, mode=0o700)
     compile_to(so, planted)  # no digest beside it
-    lib, why = vnni_library.build(STUB)
+    lib, why = BUILD.build(STUB)
     assert not marker.exists()
     assert lib is not None and why.ok, why
     genuine = so.read_bytes()
     assert digest.read_text().strip() == hashlib.sha256(genuine).hexdigest()
     compile_to(so, planted)  # a stale digest beside it: the genuine library's
-    lib, why = vnni_library.build(STUB)
+    lib, why = BUILD.build(STUB)
     assert not marker.exists()
     assert lib is not None and why.ok and so.read_bytes() != b"", why
 
@@ -131,12 +132,12 @@ def test_a_corrupt_cached_library_is_rebuilt_or_refused_never_raised(cache, monk
     so = cached_name(cache, source)
     cache.mkdir(parents=True, mode=0o700)
     so.write_bytes(b"")  # an empty library, as a full disk or a killed compile leaves one
-    lib, why = vnni_library.build(source)
+    lib, why = BUILD.build(source)
     assert lib is not None and why.ok, why
     assert so.stat().st_size > 0
     so.write_bytes(b"")  # and with its own digest beside it: verified, but does not load
     so.with_name(so.name + ".sha256").write_text(hashlib.sha256(b"").hexdigest())
-    lib, why = vnni_library.build(source)
+    lib, why = BUILD.build(source)
     assert lib is not None and why.ok, why
 
     def no_load(*args, **kwargs):
@@ -144,11 +145,11 @@ def test_a_corrupt_cached_library_is_rebuilt_or_refused_never_raised(cache, monk
 
     source = STUB + "int corrupt_cache_test_2;\n"
     monkeypatch.setattr(ctypes, "CDLL", no_load)  # a library that never loads, rebuilt or not
-    lib, why = vnni_library.build(source)
+    lib, why = BUILD.build(source)
     assert lib is None and "does not load" in why.why and "cannot load it" in why.why, why
 
 
 @needs_cc
 def test_a_library_without_the_entry_points_is_refused_not_raised(cache):
-    lib, why = vnni_library.build("int x;")
-    assert lib is None and "exact_linear_vnni" in why.why, why
+    lib, why = BUILD.build("int x;")
+    assert lib is None and "lacks an entry point" in why.why and "row_exponents" in why.why, why

@@ -133,15 +133,16 @@ def test_a_c_kernel_refused_where_it_should_run_fails_its_checks(monkeypatch):
     from exactness.kernels.registry import no
     from exactness.suite import paths
 
-    refused = no("its self-check failed on the accumulation (exact_linear_vnni, 4-bit weights)")
-    monkeypatch.setattr(vnni_library, "status", lambda: (None, refused))
+    refused = no("its self-check failed on the accumulation (exact_linear_limbs, 4-bit weights)")
+    avx512 = vnni_library.AVX512
+    monkeypatch.setattr(avx512, "status", lambda: (None, refused))
     monkeypatch.setattr(vnni, "warn_fallback", lambda *why: None)
-    monkeypatch.setattr(vnni_library, "missing_features", lambda: [])
+    monkeypatch.setattr(avx512, "missing_features", lambda: [])
     monkeypatch.setenv("CC", "sh")  # a compiler on PATH
     monkeypatch.setenv("EXACTNESS_NATIVE", "1")
     with pytest.raises(pytest.fail.Exception, match="self-check failed on the accumulation"):
         paths.require("vnni-limbs")
-    monkeypatch.setattr(vnni_library, "missing_features", lambda: ["avx512_vnni"])
+    monkeypatch.setattr(avx512, "missing_features", lambda: ["avx512_vnni"])
     with pytest.raises(pytest.skip.Exception, match="self-check failed"):
         paths.require("vnni-limbs")  # no VNNI, and the real kernel asked for: an honest skip
     monkeypatch.setenv("EXACTNESS_NATIVE", "emulate")  # the suite's choice on such a CPU
@@ -157,14 +158,15 @@ def test_the_suite_emulates_the_c_kernel_where_the_cpu_lacks_it(monkeypatch):
     from exactness.kernels.cpu import vnni_library
     from exactness.suite import paths
 
-    monkeypatch.setattr(vnni_library, "missing_features", lambda: ["avx512_vnni"])
+    monkeypatch.setattr(vnni_library.AVX512, "missing_features", lambda: ["avx512_vnni"])
     monkeypatch.delenv("EXACTNESS_NATIVE", raising=False)
-    assert "emulated" in paths.emulate_the_c_kernel_where_missing()
+    said = paths.emulate_the_c_kernel_where_missing()
+    assert "(AVX-512 VNNI) emulated" in said and "the C kernel (AVX2): the CPU's own" in said
     assert os.environ["EXACTNESS_NATIVE"] == "emulate"
     monkeypatch.setenv("EXACTNESS_NATIVE", "0")
-    assert paths.emulate_the_c_kernel_where_missing() == ("the C kernel: off (the AMX kernel "
-                                                          "with it)")
-    monkeypatch.setattr(vnni_library, "missing_features", lambda: [])
+    assert paths.emulate_the_c_kernel_where_missing() == (
+        "the C kernel (AVX-512 VNNI): off (every C build, the AMX kernel with them)")
+    monkeypatch.setattr(vnni_library.AVX512, "missing_features", lambda: [])
     monkeypatch.delenv("EXACTNESS_NATIVE")
     assert "instructions" in paths.emulate_the_c_kernel_where_missing()
     assert "EXACTNESS_NATIVE" not in os.environ  # the real kernel, unasked

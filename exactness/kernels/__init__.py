@@ -26,6 +26,8 @@ REGISTRY: tuple[Kernel, ...] = (
     vnni.SPANS,  # C, AVX-512 VNNI: 16-bit activations as int16 words, from 24 rows on
     vnni.LIMBS,  # C, AVX-512 VNNI: activations as int8 limbs
     vnni.GROUPED,  # C, AVX-512 VNNI: an MoE layer's routed experts in one call
+    vnni.AVX2_LIMBS,  # C, AVX2 (every x86-64 CPU): activations as int8 limbs
+    vnni.AVX2_GROUPED,  # C, AVX2: an MoE layer's routed experts in one call
     gemm.INT8_GEMM,  # torch._int_mm on folded weight digits
     gemm.FLOAT64_GEMM,  # any widths (32-bit activations): two exact float64 GEMMs of integers
     gemm.INT64_MATMUL,  # an int64 matmul, where torch._int_mm is not exact (or nothing else holds)

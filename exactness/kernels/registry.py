@@ -146,6 +146,7 @@ class GroupedKernel(Kernel, Protocol):
     # the host, the prepared object saying found() (slow rows, NaN rows) after the call (the
     # CPU's); "buffers": every expert's live buffers, through a table on the device (the GPU's)
     reads: str
+    auto_grouped: bool  # whether plan_grouped may pick it unasked (an emulated build: no)
 
     def run_grouped(self, x: torch.Tensor, routing, experts: list, bits: int, act_bits: int,
                     out_format: FloatFormat, gather: bool,
@@ -201,6 +202,9 @@ def plan_grouped(kernels, family: str, device: torch.device, act_bits: int,
     passed = []
     for kernel in kernels:
         if not kernel.grouped or kernel.family != family:
+            continue
+        if not kernel.auto_grouped:
+            passed.append((kernel.name, "emulated: run only when asked for by name"))
             continue
         fit = kernel.available(device)
         fit = fit and int8_limbs_hold(act_bits, kernel.act_limbs)

@@ -78,10 +78,11 @@ def combine(p: torch.Tensor, ms: torch.Tensor, shift: torch.Tensor, per_sum: int
 
 
 def quantized(x: torch.Tensor, act_bits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(qa int32 [M, K], e_r [M]) of x [M, K] on the CPU: by the C kernel's quantization pass
-    where it runs (one pass over x: the slow rows then cost little more than
-    their own outputs), else by quantize_rows. Either raises NonFiniteError for a non-finite x."""
-    lib = vnni_library.library()
+    """(qa int32 [M, K], e_r [M]) of x [M, K] on the CPU: by the AVX-512 build's quantization
+    pass where it runs (one pass over x, its biased limbs: the slow rows then cost little more
+    than their own outputs), else by quantize_rows. Either raises NonFiniteError for a
+    non-finite x."""
+    lib = vnni_library.AVX512.library()
     if lib is None:
         check_finite_tensor(x, "x")  # raises: count, index
         return quantize_rows(x, act_bits)

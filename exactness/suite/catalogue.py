@@ -24,6 +24,8 @@ from .catalogue_c_and_moe import C_AND_MOE
 from .targets import (
     ACT32_KERNELS,
     AGREEMENT,
+    AVX2_SELF_CHECK,
+    AVX512_KERNEL,
     C_KERNEL,
     CAPTURE,
     CPU,
@@ -101,6 +103,11 @@ CATALOGUE = (
            ".permute(0, 2, 1, 3)", ".permute(0, 2, 1, 3).flip(2)",
            "weight rows swapped inside a 16-row vector block of the derived layout",
            (SELF_CHECK,)),
+    Mutant("avx2-limbs-twin-in-natural-order", at(vnni_layout.plain_limbs),
+           "order = torch.arange(k).view(-1, chunk // 2, 2).transpose(1, 2).reshape(k)",
+           "order = torch.arange(k)",
+           "the AVX2 build's activations' twin in natural order, not each chunk's even k then its "
+           "odd k (the self-check's side)", (AVX2_SELF_CHECK,)),
     Mutant("kernel-tail-group-dropped", KERNEL, "for g in range(g_start, g_end):",
            "for g in range(g_start, g_end - 1):", "the last group of each slice of K never "
            "accumulated", (TRITON, TRITON_VECTORS)),
@@ -322,7 +329,7 @@ CATALOGUE = (
             "tests/test_reliability.py::test_weights_written_through_any_door_are_seen_at_the_"
             "next_forward[through_reassignment-vnni-limbs]")),
     # --- the C kernel reading the checkpoint's buffers in place (issue 40)
-    Mutant("in-place-scales-of-the-neighbour-row", C_KERNEL,
+    Mutant("in-place-scales-of-the-neighbour-row", AVX512_KERNEL,
            "L->scale + (b * 16 + i) * G + g0",
            "L->scale + (b * 16 + ((i ^ 1) < rows ? i ^ 1 : i)) * G + g0",
            "a block's scales read for the wrong rows: neighbouring rows take each other's "
@@ -338,17 +345,17 @@ CATALOGUE = (
            "the span kernel's int16 words in natural order against 4-bit words read in place, "
            "whose nibbles hold each 8 k in the order 0, 2, 4, 6, 1, 3, 5, 7",
            (SPANS, SPANS_VECTORS)),
-    Mutant("in-place-weight-sums-unbiased", C_KERNEL,
+    Mutant("in-place-weight-sums-unbiased", AVX512_KERNEL,
            "_mm512_set1_epi32(nibbles ? 8 * 32 : 128 * 32)",
            "_mm512_set1_epi32(nibbles ? 0 : 128 * 32)",
            "the weight sums of 4-bit words taken from the stored q + 8: the limb bias "
            "corrected by the wrong amount", (CPU, CPU_VECTORS)),
-    Mutant("in-place-slow-rows-unflagged", C_KERNEL,
+    Mutant("in-place-slow-rows-unflagged", AVX512_KERNEL,
            "_mm512_maskz_mov_epi32(slow & live, _mm512_set1_epi32(FLAG_SLOW))",
            "_mm512_maskz_mov_epi32(0, _mm512_set1_epi32(FLAG_SLOW))",
            "a row past the certified spread computed as zero and never sent to `wide`",
            ("tests/test_modules.py::test_wide_spread_rows_stay_exact",)),
-    Mutant("in-place-non-finite-scale-unflagged", C_KERNEL,
+    Mutant("in-place-non-finite-scale-unflagged", AVX512_KERNEL,
            "nonfinite |= ~finite;", "nonfinite |= 0;",
            "a non-finite scale counted as 0 and its row left finite, not NaN (contract v1.2)",
            ("tests/test_reliability.py::test_a_non_finite_scale_written_in_place_gives_its_row_"

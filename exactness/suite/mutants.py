@@ -21,9 +21,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..kernels.cpu import amx_library, vnni_library
+from ..kernels.cpu.vnni import SPANS
 from .catalogue import CATALOGUE
 from .targets import (  # noqa: F401  (at and triton_at: importable from here, as before)
     AMX_KERNEL,
+    C_FILES,
     C_KERNEL,
     C_ONLY,
     ROOT,
@@ -81,14 +83,25 @@ def _rebind(old, new) -> None:
 MUTANT_FLAGS = ("-O0",)
 
 
-def mutated_c_kernel(mutant: Mutant):
-    """The C kernel compiled from the mutated source, its start-up self-check skipped (the
-    self-check would refuse it: tests/test_mutants.py shows it does)."""
-    lib = vnni_library.load(_planted(vnni_library.SOURCE.read_text(), mutant), check=False,
-                            extra_flags=MUTANT_FLAGS)
+def mutated_c_kernel(mutant: Mutant, build: vnni_library.Build):
+    """`build` of the C kernel compiled with the mutant's C file mutated, its start-up self-check
+    skipped (the self-check would refuse it: tests/test_mutants.py shows it does)."""
+    path = ROOT / mutant.target
+    source = build.source({path: _planted(path.read_text(), mutant)})
+    lib = build.load(source, check=False, extra_flags=MUTANT_FLAGS)
     if lib is None:
-        raise RuntimeError(f"mutant {mutant.name}: the mutated C kernel does not compile")
+        raise RuntimeError(f"mutant {mutant.name}: the mutated C kernel ({build.what}) does not "
+                           f"compile")
     return lib
+
+
+def c_builds(mutant: Mutant) -> list[vnni_library.Build]:
+    """The builds of the C kernel a C mutant is planted in that run here: every build for a bug
+    in cpu_kernel.c, its own for one in an ISA file; a bug whose every killer is the span
+    kernel's only in the builds that hold it."""
+    spans_only = all(f"[{SPANS.name}" in killer for killer in mutant.killers)
+    return [build for build in C_FILES.get(mutant.target, ())
+            if build.library() is not None and (build.spans or not spans_only)]
 
 
 def mutated_amx_kernel(mutant: Mutant):
@@ -102,12 +115,15 @@ def mutated_amx_kernel(mutant: Mutant):
 
 
 def runs_here(mutant: Mutant) -> bool:
-    """C mutants, and those of the code only the C kernel runs, need the C kernel (AVX-512 VNNI
-    and a compiler); the AMX kernel's, the AMX kernel (real or emulated tiles)."""
+    """C mutants need a build of the C kernel they are planted in (c_builds), those of the code
+    only the C kernel runs its AVX-512 build (real or emulated); the AMX kernel's, the AMX kernel
+    (real or emulated tiles)."""
     if mutant.target == AMX_KERNEL:
         return amx_library.library() is not None
-    needs_c = mutant.target == C_KERNEL or mutant.target.split(":")[0] in C_ONLY
-    return not needs_c or vnni_library.library() is not None
+    if mutant.target in C_FILES:
+        return bool(c_builds(mutant))
+    return (mutant.target.split(":")[0] not in C_ONLY
+            or vnni_library.AVX512.library() is not None)
 
 
 @contextmanager
@@ -118,17 +134,27 @@ def applied(mutant: Mutant) -> Iterator[None]:
     Restoring sweeps for the mutant again, so a module first imported inside the block (and so
     bound to the mutant) is put right too.
     """
-    vnni_library.library()  # load and self-check the C kernel with the real code, as at start-up
-    if mutant.target in (C_KERNEL, AMX_KERNEL):
-        module, build = ((amx_library, mutated_amx_kernel) if mutant.target == AMX_KERNEL
-                         else (vnni_library, mutated_c_kernel))
-        module.library()  # the real one first, as above
-        lib, original_library = build(mutant), module.library
-        module.library = lambda: lib
+    for build in vnni_library.BUILDS:  # each build loaded and self-checked with the real code
+        build.library()
+    if mutant.target == AMX_KERNEL:
+        amx_library.library()  # the real one first, as above
+        lib, original_library = mutated_amx_kernel(mutant), amx_library.library
+        amx_library.library = lambda: lib
         try:
             yield
         finally:
-            module.library = original_library
+            amx_library.library = original_library
+        return
+    if mutant.target in C_FILES:  # each build it is planted in swapped for its mutated twin
+        builds = c_builds(mutant)
+        libs = [mutated_c_kernel(mutant, build) for build in builds]
+        for build, lib in zip(builds, libs, strict=True):
+            build.library = lambda lib=lib: lib
+        try:
+            yield
+        finally:
+            for build in builds:
+                del build.library  # the class's method again
         return
     original, mutated = mutated_function(mutant)
     owner, name, _ = _resolve(mutant.target)
@@ -313,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.only and mutant.name not in args.only:
             continue
         if not runs_here(mutant):
-            print(f"{mutant.name:<42} skipped   (no C kernel here: no AVX-512 VNNI or compiler)")
+            print(f"{mutant.name:<42} skipped   (no build of the C kernel it is planted in here)")
             continue
         o = hunt(mutant, out / mutant.name)
         outcomes.append(o)

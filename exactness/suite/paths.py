@@ -62,15 +62,18 @@ def unavailable(path: str) -> tuple[str, bool] | None:
 
 def expected_here(kernel: str) -> bool:
     """Whether the C kernel `kernel` must run here: a C compiler is on PATH and every C build it
-    rests on is expected (CBuild.expected). The AMX kernel rests on two: the VNNI kernel's and
-    its own tiles'."""
+    rests on is expected (CBuild.expected). The AMX kernel rests on two: the AVX-512 build's
+    and its own tiles'; the others on their build of the C kernel."""
     import shutil
 
-    from ..kernels.cpu import amx
+    from ..kernels.cpu import amx, vnni_library
 
-    if by_name(REGISTRY, kernel).layout != "vnni":
+    found = by_name(REGISTRY, kernel)
+    if found.layout != "vnni":
         return False
-    builds = _c_builds()[:2 if kernel == amx.AMX.name else 1]
+    avx512, avx2, tiles = _c_builds()
+    builds = ((avx512, tiles) if kernel == amx.AMX.name
+              else (avx2,) if found.build is vnni_library.AVX2 else (avx512,))
     return (all(build.expected() for build in builds)
             and shutil.which(os.environ.get("CC", "cc")) is not None)
 
@@ -83,19 +86,25 @@ class CBuild(NamedTuple):
     modes: dict
     mode: Callable[[], str]  # the switch's value
     missing: Callable[[], list[str]]  # the CPU features it lacks here
+    emulable: bool = True  # whether its switch's "emulate" builds it without those features
 
     def expected(self) -> bool:
         """Whether it must run here: its switch is on, and the CPU has its features or the
         switch emulates them."""
-        return self.mode() != "0" and (self.mode() == "emulate" or not self.missing())
+        emulated = self.emulable and self.mode() == "emulate"
+        return self.mode() != "0" and (emulated or not self.missing())
 
 
-def _c_builds() -> tuple[CBuild, CBuild]:
-    """The VNNI kernel's build, then the AMX tiles', which rest on it."""
+def _c_builds() -> tuple[CBuild, CBuild, CBuild]:
+    """The C kernel's AVX-512 build, its AVX2 build (never emulated: every x86-64 CPU this
+    project runs on has AVX2), then the AMX tiles', which rest on the AVX-512 build."""
     from ..kernels.cpu import amx_library, vnni_library
 
-    return (CBuild("the C kernel", "EXACTNESS_NATIVE", vnni_library.MODES, vnni_library.mode,
-                   vnni_library.missing_features),
+    avx512, avx2 = vnni_library.AVX512, vnni_library.AVX2
+    return (CBuild("the C kernel (AVX-512 VNNI)", "EXACTNESS_NATIVE", vnni_library.MODES,
+                   vnni_library.mode, avx512.missing_features),
+            CBuild("the C kernel (AVX2)", "EXACTNESS_NATIVE", vnni_library.MODES,
+                   vnni_library.mode, avx2.missing_features, emulable=False),
             CBuild("the AMX kernel's tiles", "EXACTNESS_AMX", amx_library.MODES, amx_library.mode,
                    amx_library.missing_features))
 
@@ -107,15 +116,17 @@ def emulate_the_c_kernel_where_missing() -> str:
     said = []
     for build in _c_builds():
         lacks = build.missing()
-        if lacks and build.variable not in os.environ:
+        if lacks and build.emulable and build.variable not in os.environ:
             os.environ[build.variable] = "emulate"
-        if build.mode() == "0" and not said:  # the first build off turns the next off with it
-            return f"{build.what}: off (the AMX kernel with it)"
-        if build.mode() == "emulate":
+        if build.mode() == "0" and not said:  # the first build off turns the others off too
+            return f"{build.what}: off (every C build, the AMX kernel with them)"
+        if build.mode() == "emulate" and build.emulable:
             why = f": the CPU lacks {', '.join(lacks)}" if lacks else ""
             said.append(f"{build.what} emulated ({build.variable}=emulate{why})")
+        elif lacks:
+            said.append(f"{build.what}: off, the CPU lacks {', '.join(lacks)}")
         else:
-            said.append(f"{build.what}: {build.modes[build.mode()]}")
+            said.append(f"{build.what}: {build.modes['1']}")
     return "; ".join(said)
 
 

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the repository: killers are its te
 @dataclass(frozen=True)
 class Mutant:
     name: str
-    target: str  # "package.module:function", or C_KERNEL (the C source)
+    target: str  # "package.module:function", or a C file (C_FILES, AMX_KERNEL)
     old: str  # a snippet that occurs exactly once in the function's (or file's) source ...
     new: str  # ... and what replaces it
     bug: str  # the class of real bug it stands for
@@ -44,7 +44,11 @@ def triton_at(module, name: str) -> str:
 
 def source(module) -> str:
     """The C source a kernel module builds (its SOURCE), relative to the repository."""
-    return module.SOURCE.resolve().relative_to(ROOT).as_posix()
+    return relative(module.SOURCE)
+
+
+def relative(path: Path) -> str:
+    return path.resolve().relative_to(ROOT).as_posix()
 
 
 
@@ -63,6 +67,7 @@ def vectors(path: str) -> str:
 
 
 CPU, CPU_VECTORS = equivalence("vnni-limbs"), vectors("vnni-limbs")  # the C kernel
+AVX2, AVX2_VECTORS = equivalence("avx2-limbs"), vectors("avx2-limbs")  # its AVX2 build
 GEMM, GEMM_VECTORS = equivalence("int8-gemm"), vectors("int8-gemm")
 TRITON, TRITON_VECTORS = equivalence("triton-group"), vectors("triton-group")
 # the CPU and the Triton device compared (make verify's devices stage)
@@ -73,9 +78,16 @@ FOLDED = "tests/test_modules.py::test_triton_folded_path_matches_reference"
 FOLDED_VECTORS = vectors("triton-folded")
 SPANS, SPANS_VECTORS = equivalence("vnni-spans"), vectors("vnni-spans")
 # the C kernel's self-check run in this process, where a mutant of its Python side applies
-SELF_CHECK = "tests/test_modules.py::test_the_vnni_self_check_passes_in_this_process"
+SELF_CHECK = "tests/test_modules.py::test_the_vnni_self_check_passes_in_this_process[vnni-limbs]"
+AVX2_SELF_CHECK = ("tests/test_modules.py::test_the_vnni_self_check_passes_in_this_process"
+                   "[avx2-limbs]")
 KERNEL = triton_at(triton_group, "exact_group_kernel")
-C_KERNEL = source(vnni_library)
+C_KERNEL = source(vnni_library)  # cpu_kernel.c: what every build of the C kernel shares
+AVX512_KERNEL = relative(vnni_library.AVX512.isa)  # kernel_avx512.h: the AVX-512 build's own
+AVX2_KERNEL = relative(vnni_library.AVX2.isa)  # kernel_avx2.h: the AVX2 build's own
+# each C file of the C kernel, and the builds a bug planted in it is built into
+C_FILES = {C_KERNEL: vnni_library.BUILDS, AVX512_KERNEL: (vnni_library.AVX512,),
+           AVX2_KERNEL: (vnni_library.AVX2,)}
 AMX_KERNEL = source(amx_library)
 # the modules whose code only the C kernel runs: their mutants need it built
 C_ONLY = (vnni_layout.__name__, vnni_calls.__name__)

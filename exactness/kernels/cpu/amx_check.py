@@ -16,14 +16,13 @@ from . import amx_library, vnni_library
 from .amx_calls import accumulate, linear, spans
 from .amx_layout import AmxInPlace, amx_spans
 from .vnni_calls import quantize
-from .vnni_check import checkpoint_layer
-from .vnni_layout import NativeWeights, biased_limbs
+from .vnni_layout import NativeWeights, biased_limbs, checkpoint_layer
 
 
 def check_file(file: Path, digest: str) -> Fit:
     """In first_run's child: the library at `file` (its bytes must match `digest`) loaded, its
     tile state granted, then self-checked."""
-    lib, why = vnni_library.load_file(file, digest)
+    lib, why = vnni_library.AVX512.load_file(file, digest)
     if lib is None:
         return why
     granted = amx_library.request(amx_library.bind(lib))

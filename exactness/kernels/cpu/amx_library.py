@@ -1,6 +1,7 @@
-"""cpu_amx.c built, judged and loaded: compiled after cpu_vnni.c as one library (it shares its
-quantization and rounding), self-checked in a child process (amx_check.py), then the tile state
-asked of Linux. Used only where the CPU reports amx_tile and amx_int8.
+"""cpu_amx.c built, judged and loaded: compiled after the C kernel's AVX-512 build (cpu_kernel.c
+with kernel_avx512.h) as one library (it shares its quantization and rounding), self-checked in a
+child process (amx_check.py), then the tile state asked of Linux. Used only where the CPU reports
+amx_tile and amx_int8.
 
 EXACTNESS_AMX: "1" (the default) uses the real tiles where the CPU reports them and Linux grants
 the tile state; "emulate" builds the tiles from amx_emulated.h (portable C) on any CPU, for
@@ -39,10 +40,10 @@ def missing_features() -> list[str]:
 
 
 def source(emulated: bool, amx_source: str | None = None) -> str:
-    """What is compiled: cpu_vnni.c, then (emulated) amx_emulated.h, then cpu_amx.c (or
-    `amx_source` in its place: a planted bug, exactness.suite.mutants)."""
+    """What is compiled: the AVX-512 build's source, then (emulated) amx_emulated.h, then
+    cpu_amx.c (or `amx_source` in its place: a planted bug, exactness.suite.mutants)."""
     tiles = EMULATION.read_text() if emulated else ""
-    return "\n".join((vnni_library.SOURCE.read_text(), tiles, amx_source or SOURCE.read_text()))
+    return "\n".join((vnni_library.AVX512.source(), tiles, amx_source or SOURCE.read_text()))
 
 
 def build(amx_source: str | None = None,
@@ -50,13 +51,13 @@ def build(amx_source: str | None = None,
     """The library compiled (emulated tiles where EXACTNESS_AMX=emulate; `extra_flags` last)
     and its entry points' signatures set, never yet run; or None and why not."""
     emulated = mode() == "emulate"
-    lib, why = vnni_library.build(source(emulated, amx_source),
+    lib, why = vnni_library.AVX512.build(source(emulated, amx_source),
                                   (*(EMULATED_FLAGS if emulated else FLAGS), *extra_flags))
     return (bind(lib), why) if lib is not None else (None, why)
 
 
 def bind(lib):
-    """`lib` with the AMX entry points' signatures set (cpu_vnni.c's: vnni_library.SIGNATURES)."""
+    """`lib` with the AMX entry points' signatures set (cpu_kernel.c's: the AVX512 build's)."""
     ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.amx_tiles.argtypes = [ptr, ptr, i64, i32, ptr, ptr, ptr, i32, i32, i64]
     lib.exact_linear_amx.argtypes = [ptr, ptr, i32, i32, i32, i64, i32, i64, ptr, i32, i32, i64]
@@ -77,9 +78,9 @@ def request(lib) -> Fit:
 
 
 def judged(lib):
-    """The library's first run, the AMX self-check in a child process (vnni_library.judged):
-    cached by the library's bytes."""
-    return vnni_library.judged(lib, CHECK, f"the AMX kernel ({MODES[mode()]})")
+    """The library's first run, the AMX self-check in a child process (Build.judged): cached by
+    the library's bytes."""
+    return vnni_library.AVX512.judged(lib, CHECK, f"the AMX kernel ({MODES[mode()]})")
 
 
 def load(amx_source: str | None = None, check: bool = True,
@@ -108,11 +109,12 @@ def status() -> tuple[ctypes.CDLL | None, Fit]:
     missing = missing_features()
     if not emulated and missing:
         return None, no(f"the CPU lacks {', '.join(missing)}")
-    if not emulated and vnni_library.emulated():
+    if not emulated and vnni_library.AVX512.emulated():
         return None, no("real AMX tiles need the real AVX-512 beside them, and "
                         "EXACTNESS_NATIVE=emulate is set")
-    if vnni_library.missing_features() and not vnni_library.emulated():
-        return None, no(f"its AVX-512 half needs {', '.join(vnni_library.missing_features())} "
+    avx512 = vnni_library.AVX512
+    if avx512.missing_features() and not avx512.emulated():
+        return None, no(f"its AVX-512 half needs {', '.join(avx512.missing_features())} "
                         f"or EXACTNESS_NATIVE=emulate")
     lib, verdict = load()
     if lib is not None and emulated:

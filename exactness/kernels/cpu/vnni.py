@@ -1,7 +1,13 @@
-"""cpu_vnni.c's kernels, as the registry sees them: the limb kernel (any widths, the layer's
-buffers read in place), the span kernel (16-bit activations as int16 words, 4-bit weights) and
-the grouped call (an MoE layer's routed experts in one call). Each is one call of exact_grouped
-(vnni_calls.py); the library is loaded and judged by vnni_library.py.
+"""The C kernel's kernels (csrc/cpu_kernel.c), as the registry sees them, for each build: the
+limb kernel (any widths, the layer's buffers read in place), the span kernel (16-bit activations
+as int16 words, 4-bit weights; the AVX-512 build only) and the grouped call (an MoE layer's
+routed experts in one call). Each is one call of exact_grouped (vnni_calls.py); the builds are
+loaded and judged by vnni_library.py.
+
+- AVX-512 VNNI: `vnni-limbs`, `vnni-spans`, `vnni-grouped`. Emulated (EXACTNESS_NATIVE=emulate),
+  they run only when asked for by name.
+- AVX2: `avx2-limbs`, `avx2-grouped`, for every x86-64 CPU without AVX-512 VNNI. The registry
+  lists them after the VNNI ones, so the plan takes them where those do not run.
 """
 
 from __future__ import annotations
@@ -20,21 +26,30 @@ SPAN_MIN_ROWS = 24  # from here on the span kernel is faster (measured: docs/PER
 
 
 class _VnniKernel:
-    """cpu_vnni.c's one-call path (exact_grouped, one expert), through the limb or the span
-    kernel."""
+    """The C kernel's one-call path (exact_grouped, one expert) in one build, through the limb or
+    the span kernel."""
 
     family, layout, grouped = "cpu", "vnni", False
     act_limbs = dataflow.GROUP_ACT_LIMBS
 
-    def __init__(self, name: str, spans: bool, min_rows: int, auto: bool = True):
-        self.name, self.spans, self.min_rows, self.auto = name, spans, min_rows, auto
+    def __init__(self, name: str, build: vnni_library.Build, spans: bool, min_rows: int,
+                 auto: bool = True):
+        self.name, self.build, self.spans, self.min_rows = name, build, spans, min_rows
+        self._auto = auto
+
+    @property
+    def auto(self) -> bool:
+        """Whether the plan may pick it unasked: an emulated build only when asked for."""
+        return self._auto and not self.build.emulated()
 
     def available(self, device: torch.device) -> Fit:
         if device.type != "cpu":
             return no(f"it runs on the CPU, x is on {device}")
-        lib, why = vnni_library.status()
+        lib, why = self.build.status()
         if lib is None:
-            warn_fallback("the C kernel (AVX-512 VNNI)", why.why)
+            instead = vnni_library.instead_of(self.build)
+            warn_fallback(f"the C kernel ({self.build.what})", why.why,
+                          *([f"its {instead.what} build runs instead"] if instead else []))
         return why
 
     def eligible(self, rows: int, weights: Weights) -> Fit:
@@ -52,20 +67,27 @@ class _VnniKernel:
         return InPlace(weights)
 
     def run(self, x, weights: Weights, prepared: InPlace, out_format: FloatFormat):
-        y = linear(x, weights.act_bits, prepared, None, out_format, spans=self.spans)
+        y = linear(x, weights.act_bits, prepared, None, out_format, self.build.library(),
+                   spans=self.spans)
         weights.found = prepared.found()  # its slow and NaN rows, as the blocks found them
         return y
 
 
 class _VnniGroupedKernel(_VnniKernel):
-    """cpu_vnni.c's grouped call (exact_grouped): every routed expert's rows in one call, each
-    layer read in place by the limb kernel. As a layer's kernel (kernel="vnni-grouped"): one
-    expert, every row routed to it (the limb kernel's prepare and run)."""
+    """The C kernel's grouped call (exact_grouped) in one build: every routed expert's rows in
+    one call, each layer read in place by the limb kernel. As a layer's kernel
+    (kernel="vnni-grouped"): one expert, every row routed to it (the limb kernel's prepare and
+    run)."""
 
     grouped, reads = True, "layers"
 
-    def __init__(self):
-        super().__init__("vnni-grouped", spans=False, min_rows=0, auto=False)
+    def __init__(self, name: str, build: vnni_library.Build):
+        super().__init__(name, build, spans=False, min_rows=0, auto=False)
+
+    @property
+    def auto_grouped(self) -> bool:
+        """Whether plan_grouped may pick it unasked: an emulated build only when asked for."""
+        return not self.build.emulated()
 
     def run_grouped(self, x, routing, experts, bits: int, act_bits: int, out_format: FloatFormat,
                     gather: bool, workspace=None):
@@ -88,13 +110,17 @@ class _VnniGroupedKernel(_VnniKernel):
         if workspace is not None:
             n = len(lists[0]) * lists[0][0][0].n
             out = workspace.get("y", (offsets[-1], n), torch_dtype(out_format), x.device)
-            scratch = workspace.get("x", (scratch_bytes(*x.shape),), torch.uint8, x.device)
+            scratch = workspace.get("x", (scratch_bytes(*x.shape, self.build.library()),),
+                                    torch.uint8, x.device)
         return grouped(x, act_bits, lists, [False] * len(active), offsets, source, out_format,
-                       out=out, scratch=scratch), None
+                       self.build.library(), out=out, scratch=scratch), None
 
 
 # the span kernel: not the plan's own pick until a measurement of it read in place (issue 52)
 # shows it faster than the limb kernel; min_rows is where it was, with its layout derived ahead
-SPANS = _VnniKernel("vnni-spans", spans=True, min_rows=SPAN_MIN_ROWS, auto=False)
-LIMBS = _VnniKernel("vnni-limbs", spans=False, min_rows=0)
-GROUPED = _VnniGroupedKernel()
+SPANS = _VnniKernel("vnni-spans", vnni_library.AVX512, spans=True, min_rows=SPAN_MIN_ROWS,
+                    auto=False)
+LIMBS = _VnniKernel("vnni-limbs", vnni_library.AVX512, spans=False, min_rows=0)
+GROUPED = _VnniGroupedKernel("vnni-grouped", vnni_library.AVX512)
+AVX2_LIMBS = _VnniKernel("avx2-limbs", vnni_library.AVX2, spans=False, min_rows=0)
+AVX2_GROUPED = _VnniGroupedKernel("avx2-grouped", vnni_library.AVX2)

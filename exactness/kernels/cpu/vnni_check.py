@@ -1,7 +1,7 @@
-"""cpu_vnni.c's self-check, its first run: in first_run's child process (check_file), before
-the library runs in the caller. Every compiled pass against its Python twin, then the one-call
-path against the passes: a build the compiler or the CPU got wrong is refused, naming the check
-and its input.
+"""The C kernel's self-check, its first run: in first_run's child process (check_avx512_file,
+check_avx2_file: one per build), before the library runs in the caller. Every compiled pass
+against its Python twin, then the one-call path against the passes: a build the compiler or the
+CPU got wrong is refused, naming the check and its input.
 """
 
 from __future__ import annotations
@@ -12,40 +12,62 @@ import torch
 
 from ... import dataflow
 from ...contract import BFLOAT16, FORMATS, act_qmax
-from ...formats import bits_to_tensor, float_bits, pack_weights, round_scaled_array, torch_dtype
+from ...formats import bits_to_tensor, float_bits, round_scaled_array, torch_dtype
 from ...quantize import quantize_activations
 from ..certificate import certify
 from ..registry import Fit, Weights, no, yes
 from . import vnni_library
+from .avx2_check import in_place_layers
 from .vnni import SPAN_MIN_ROWS
 from .vnni_calls import accumulate, grouped, linear, quantize, round_rows, span_scales_of
 from .vnni_layout import (
-    FLAG_NONFINITE,
-    FLAG_SLOW,
     InPlace,
     NativeWeights,
     biased_limbs,
+    checkpoint_layer,
+    plain_limbs,
     span_order,
     span_scales,
 )
 
 
-def check_file(file: Path, digest: str) -> Fit:
-    """In first_run's child: the library at `file` loaded (its bytes must match `digest`) and
-    self-checked."""
-    lib, why = vnni_library.load_file(file, digest)
-    return self_check(lib) if lib is not None else why
+def check_avx512_file(file: Path, digest: str) -> Fit:
+    """In first_run's child: the AVX-512 build at `file` loaded (its bytes must match `digest`)
+    and self-checked."""
+    return check_file(vnni_library.AVX512, file, digest)
 
 
-def self_check(lib) -> Fit:
-    """The compiled passes against their Python twins: quantization, limbs and span-order words
-    against quantize.quantize_activations and dataflow.activation_limbs, both accumulation
-    kernels against int64 arithmetic (the worst case, random data, long and one-group spans,
-    unshifted blocks), the rounding, fused and as a pass, against formats.round_scaled_array
-    (ties, subnormals, overflow), in every format; then the one-call path against those
-    passes, and the layers read in place (prepare_block) against the derived layout and the
-    certificate (certificate.certify). The verdict names the check that failed and its input."""
+def check_avx2_file(file: Path, digest: str) -> Fit:
+    """In first_run's child: the AVX2 build at `file`, likewise."""
+    return check_file(vnni_library.AVX2, file, digest)
+
+
+def check_file(build: vnni_library.Build, file: Path, digest: str) -> Fit:
+    lib, why = build.load_file(file, digest)
+    return self_check(lib, build) if lib is not None else why
+
+
+def self_check(lib, build: vnni_library.Build = vnni_library.AVX512) -> Fit:
+    """The compiled passes against their Python twins, in every format: the quantization (row
+    exponents, limbs, span-order words), the accumulation against int64 arithmetic, the rounding
+    (fused, and as a pass) against formats.round_scaled_array (ties, subnormals, overflow). A
+    build that reads derived layers (the AVX-512 one) is checked through them and its layers read
+    in place against them (derived_layers); the AVX2 build, through layers read in place alone
+    (avx2_check.in_place_layers). The verdict names the check that failed and its input."""
     g = torch.Generator().manual_seed(0)
+    layers = derived_layers if build.derived else in_place_layers
+    for check in (quantization, layers, rounding):
+        verdict = check(lib, build, g)
+        if not verdict:
+            return verdict
+    return yes(f"{build.what}, self-checked")
+
+
+def quantization(lib, build: vnni_library.Build, g: torch.Generator) -> Fit:
+    """quantize_limbs against quantize.quantize_activations and the build's limbs' twin
+    (vnni_layout.biased_limbs, or plain_limbs for the AVX2 build), and the span kernel's words
+    against span_order where the build holds it: wide row ranges, a zero row, the largest
+    finite value, every format and width."""
     for act_bits in (4, 8, 16, 32):
         for fmt in FORMATS.values():
             bits = torch.randint(0, 1 << fmt.width, (5, 64), generator=g)
@@ -55,14 +77,26 @@ def self_check(lib) -> Fit:
             bits[2], bits[3, 5] = 0, fmt.inf_bits - 1  # a zero row, the largest finite value
             limbs, e_r = quantize(bits_to_tensor(bits, fmt), act_bits, lib)
             qa, want_e = quantize_activations(bits, fmt, act_bits)
-            checks = [("row exponents", e_r, want_e), ("limbs", limbs, biased_limbs(qa, act_bits))]
-            if act_bits <= 16:
+            twin = biased_limbs(qa, act_bits) if build.derived else plain_limbs(qa, act_bits, 32)
+            checks = [("row exponents", e_r, want_e), ("limbs", limbs, twin)]
+            if act_bits <= 16 and build.spans:
                 words, _ = quantize(bits_to_tensor(bits, fmt), act_bits, lib, words=True)
                 checks.append(("span-order words", words, span_order(qa)))
             for what, got, want in checks:
                 if not torch.equal(got, want):
                     return no(f"its self-check failed on the quantization's {what} "
                               f"(act_bits {act_bits}, {fmt.name} x)")
+    return yes("quantized")
+
+
+def derived_layers(lib, build: vnni_library.Build, g: torch.Generator) -> Fit:
+    """Both accumulation kernels against int64 arithmetic (the worst case, random data, long and
+    one-group spans, unshifted blocks), with the rounding fused; then the one-call path against
+    those passes, and the layers read in place (prepare_block) against the derived layout and
+    the certificate (certificate.certify). The span kernel's checks only where the build holds
+    it."""
+    has_spans = build.spans
+    for act_bits in (4, 8, 16, 32):
         qmax = act_qmax(act_bits)
         # both layouts, every tail of a tile; the last three: long spans of groups, one-group
         # spans, unshifted blocks (shifts 0 and 1 only)
@@ -87,11 +121,11 @@ def self_check(lib) -> Fit:
             e_r, emin = torch.randint(-160, 10, (m,), generator=g), torch.randint(-9, 9, (37,),
                                                                                  generator=g)
             kernels = [(biased_limbs(qa, act_bits), False)]
-            if act_bits == 16 and w_bits == 4:
+            if act_bits == 16 and w_bits == 4 and has_spans:
                 kernels.append((span_order(qa), True))
             for a, spans in kernels:
                 got = accumulate(a, act_bits, weights, lib, spans=spans)
-                where = (f"{'exact_linear_spans' if spans else 'exact_linear_vnni'}, "
+                where = (f"{'exact_linear_spans' if spans else 'exact_linear_limbs'}, "
                          f"{w_bits}-bit weights, {m} rows, act_bits {act_bits}")
                 if not torch.equal(got[:, :37], want):
                     return no(f"its self-check failed on the accumulation ({where})")
@@ -101,7 +135,7 @@ def self_check(lib) -> Fit:
                                                                          + emin[None, :], fmt)):
                         return no(f"its self-check failed on the fused rounding to {fmt.name} "
                                   f"({where})")
-    # the one-call path (exact_grouped), through either kernel, against exact_linear_vnni's passes
+    # the one-call path (exact_grouped), through either kernel, against exact_linear_limbs's passes
     # (checked above); one group too (fewer than a tile's rows: the span kernel's rounding of the
     # tile before then waits past the tile's end)
     for k, act_bits, m in ((256, 16, SPAN_MIN_ROWS), (32, 16, SPAN_MIN_ROWS + 2), (256, 16, 3),
@@ -115,7 +149,7 @@ def self_check(lib) -> Fit:
             x = torch.randn(m, k, generator=g).to(torch_dtype(fmt))
             limbs, e_r = quantize(x, act_bits, lib)
             want = accumulate(limbs, act_bits, weights, lib, (e_r, emin, fmt))
-            spans = act_bits == 16 and m >= SPAN_MIN_ROWS
+            spans = act_bits == 16 and m >= SPAN_MIN_ROWS and has_spans
             if not torch.equal(linear(x, act_bits, weights, emin, fmt, lib, spans), want):
                 return no(f"its self-check failed on the one-call path (exact_grouped, K = {k}, "
                           f"{m} rows, act_bits {act_bits}, {fmt.name})")
@@ -127,7 +161,7 @@ def self_check(lib) -> Fit:
                                                 dtype=torch.int32)),
                     torch.randint(-9, 9, (20,), generator=g)) for _ in range(2)]
                   for _ in range(3)]
-        spans = [False, act_bits == 16, False]
+        spans = [False, act_bits == 16 and has_spans, False]
         counts = [5, SPAN_MIN_ROWS, 1]
         source = torch.randint(0, 7, (sum(counts),), generator=g)
         offsets = torch.tensor([0, *counts]).cumsum(0).tolist()
@@ -151,7 +185,7 @@ def self_check(lib) -> Fit:
             weights = Weights(packed, scale, n, k, bits, act_bits)
             cert = certify(scale, k, bits, act_bits)
             derived, in_place = NativeWeights(q, cert.factor), InPlace(weights)
-            spans = bits == 4 and act_bits == 16  # the span kernel too, its scales per block
+            spans = bits == 4 and act_bits == 16 and has_spans  # the span kernel too
             for fmt in FORMATS.values():
                 x = torch.randn(6, k, generator=g).to(torch_dtype(fmt))
                 want = linear(x, act_bits, derived, cert.emin, fmt, lib)
@@ -166,10 +200,7 @@ def self_check(lib) -> Fit:
                 if not all(map(torch.equal, span_scales_of(layer, lib), twin)):
                     return no(f"its self-check failed on the span scales of a layer "
                               f"{type(layer).__name__} (K = {k}): not vnni_layout.span_scales'")
-            flags = in_place.flags[:n]
-            if not (torch.equal(in_place.emin[:n], cert.emin)
-                    and torch.equal((flags & FLAG_SLOW) != 0, ~cert.fast)
-                    and torch.equal((flags & FLAG_NONFINITE) != 0, cert.nonfinite)):
+            if not in_place.agrees_with(cert):
                 return no(f"its self-check failed on the scales read in place: emin or flags "
                           f"({bits}-bit words, K = {k}, act_bits {act_bits})")
     # the span scales at their bounds, against their twin: every weight -8 and groups of 255
@@ -180,11 +211,16 @@ def self_check(lib) -> Fit:
     for chain in (0, 1):
         q = torch.where(torch.arange(64) % 2 == chain, -8, 0).expand(16, 64)  # k0, k2 or k1, k3
         edge.append(NativeWeights(q, torch.tensor([[255, 516]] * 16, dtype=torch.int32)))
-    for weights in edge:
+    for weights in edge if has_spans else ():
         if not all(map(torch.equal, span_scales_of(weights, lib),
                        span_scales(weights.c, weights.w, weights.k))):
             return no("its self-check failed on the span scales at their bounds: not "
                       "vnni_layout.span_scales'")
+    return yes("derived and in place")
+
+
+def rounding(lib, build: vnni_library.Build, g: torch.Generator) -> Fit:
+    """round_rows against formats.round_scaled_array: ties, subnormals, overflow, every format."""
     t = torch.randint(-(2**62), 2**62, (4, 67), generator=g) >> torch.randint(0, 62, (4, 67),
                                                                             generator=g)
     t[0, :8] = torch.tensor([0, 1, -1, 3, -3, 2**62, -(2**62), 5])
@@ -206,23 +242,4 @@ def self_check(lib) -> Fit:
         if not torch.equal(float_bits(round_rows(t, 67, e_r, emin, fmt, lib)), want):
             return no(f"its self-check failed on round_rows to {fmt.name} (ties, subnormals, "
                       f"overflow)")
-    return yes("AVX-512 VNNI, self-checked")
-
-
-def checkpoint_layer(bits: int, k: int, n: int, g: torch.Generator):
-    """(q, weight_packed, weight_scale) of a layer as a checkpoint holds it, for the self-checks
-    of the layers read in place: weights at their extremes; scales anywhere in row 0, of spreads
-    up to 12 elsewhere (fast rows), a zero row, an infinite, a subnormal row and a NaN in the
-    buffer's last element."""
-    least = -(1 << (bits - 1))
-    q = torch.randint(least, -least, (n, k), generator=g)
-    q[0] = least
-    scale_bits = torch.randint(0, 1 << 16, (n, k // 32), generator=g)  # row 0: anywhere
-    scale_bits[1:] = (scale_bits[1:] & 0x807F) | (torch.randint(
-        118, 131, scale_bits[1:].shape, generator=g) << 7)  # spreads up to 12: fast rows
-    scale_bits[2] = 0
-    scale_bits[3, 0] = 0x7F80  # +inf
-    scale_bits[4] &= 0x807F  # subnormal
-    scale_bits[n - 1, -1] = 0xFFC1  # a NaN, in the buffer's last element
-    packed = torch.from_numpy(pack_weights(q.numpy(), bits))
-    return q, packed, bits_to_tensor(scale_bits, BFLOAT16)
+    return yes("rounded")

@@ -13,7 +13,8 @@ import functools
 import torch
 
 from ... import dataflow
-from ...contract import GROUP_SIZE
+from ...contract import BFLOAT16, GROUP_SIZE
+from ...formats import bits_to_tensor, pack_weights
 from ..registry import Weights
 
 # lane 2i of a 16-lane block holds weight row i, lane 2i + 1 row 8 + i (cpu_vnni.c's layout)
@@ -63,6 +64,13 @@ class InPlace:
             return none, none
         return (torch.nonzero(flags & FLAG_SLOW).flatten(),
                 torch.nonzero(flags & FLAG_NONFINITE).flatten())
+
+    def agrees_with(self, cert) -> bool:
+        """Whether the emin and flags the call found are the certificate's (the self-checks)."""
+        flags = self.flags[:self.n]
+        return (torch.equal(self.emin[:self.n], cert.emin)
+                and torch.equal((flags & FLAG_SLOW) != 0, ~cert.fast)
+                and torch.equal((flags & FLAG_NONFINITE) != 0, cert.nonfinite))
 
     @property
     def nbytes(self) -> int:
@@ -206,12 +214,59 @@ def at_span_ends(values: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
 
 
 def biased_limbs(qa: torch.Tensor, act_bits: int) -> torch.Tensor:
-    """quantize_limbs' twin: qa [M, K] as exact_linear_vnni's limbs [L, M, K] uint8,
+    """quantize_limbs' twin: qa [M, K] as exact_linear_limbs's limbs [L, M, K] uint8,
     dataflow.activation_limbs plus 128 (the bytes of qa + 2**(8 L - 1), lowest first)."""
     return (dataflow.activation_limbs(qa, act_bits).to(torch.int16) + 128).to(torch.uint8)
+
+
+def plain_limbs(qa: torch.Tensor, act_bits: int, chunk: int) -> torch.Tensor:
+    """kernel_avx2.h's quantize_into, its twin: qa [M, K] as limbs [L, M, ACT_ROW_BYTES(K)] uint8,
+    the L bytes of qa in two's complement (no offset), each `chunk` k (64 against 4-bit words
+    read in place, else 32) as their even k then their odd k, zeros to K rounded up to 64; then
+    in plane 0 each group's S_lo [G8] and S_hi [G8] int32 (L <= 2: S_lo = sum_k qa, S_hi = 0;
+    L = 4: sums of qa & 0xFFFF and of qa >> 16), G8 the groups rounded up to 8, zeros past them;
+    with chunks of 64, each 8 groups in the order 0, 2, 4, 6, 1, 3, 5, 7 (the 4-bit factors')."""
+    m, k = qa.shape
+    limbs, padded, groups = dataflow.act_limbs(act_bits), -(-k // 64) * 64, k // GROUP_SIZE
+    g8 = -(-groups // 8) * 8
+    qa = qa.to(torch.int64)
+    order = torch.arange(k).view(-1, chunk // 2, 2).transpose(1, 2).reshape(k)  # evens, odds
+    out = torch.zeros((limbs, m, padded + 8 * g8), dtype=torch.uint8)
+    for limb in range(limbs):
+        out[limb, :, :k] = ((qa[:, order] >> (8 * limb)) & 255).to(torch.uint8)
+    groups_of = qa.view(m, groups, GROUP_SIZE)
+    sums = torch.zeros((m, 2, g8), dtype=torch.int32)
+    if limbs == 4:
+        sums[:, 0, :groups] = (groups_of & 0xFFFF).sum(-1).to(torch.int32)
+        sums[:, 1, :groups] = (groups_of >> 16).sum(-1).to(torch.int32)
+    else:
+        sums[:, 0, :groups] = groups_of.sum(-1).to(torch.int32)
+    if chunk == 64:
+        sums = sums.view(m, 2, g8 // 8, 8)[..., [0, 2, 4, 6, 1, 3, 5, 7]].reshape(m, 2, g8)
+    out[0, :, padded:] = sums.reshape(m, -1).contiguous().view(torch.uint8)
+    return out
 
 
 def span_order(qa: torch.Tensor) -> torch.Tensor:
     """qa [M, K] as int16 in exact_linear_spans' order: in each 4 k, 0, 2, 1, 3."""
     m, k = qa.shape
     return qa.view(m, k // 4, 4)[:, :, [0, 2, 1, 3]].reshape(m, k).to(torch.int16).contiguous()
+
+
+def checkpoint_layer(bits: int, k: int, n: int, g: torch.Generator):
+    """(q, weight_packed, weight_scale) of a layer as a checkpoint holds it, for the self-checks
+    of the layers read in place: weights at their extremes; scales anywhere in row 0, of spreads
+    up to 12 elsewhere (fast rows), a zero row, an infinite, a subnormal row and a NaN in the
+    buffer's last element."""
+    least = -(1 << (bits - 1))
+    q = torch.randint(least, -least, (n, k), generator=g)
+    q[0] = least
+    scale_bits = torch.randint(0, 1 << 16, (n, k // 32), generator=g)  # row 0: anywhere
+    scale_bits[1:] = (scale_bits[1:] & 0x807F) | (torch.randint(
+        118, 131, scale_bits[1:].shape, generator=g) << 7)  # spreads up to 12: fast rows
+    scale_bits[2] = 0
+    scale_bits[3, 0] = 0x7F80  # +inf
+    scale_bits[4] &= 0x807F  # subnormal
+    scale_bits[n - 1, -1] = 0xFFC1  # a NaN, in the buffer's last element
+    packed = torch.from_numpy(pack_weights(q.numpy(), bits))
+    return q, packed, bits_to_tensor(scale_bits, BFLOAT16)

@@ -262,7 +262,7 @@ class _TritonGroupedKernel:
     layers' live buffers. As a layer's kernel (kernel="triton-grouped"): one expert, every row."""
 
     name, family, layout, min_rows = "triton-grouped", "triton", "triton-grouped", 0
-    auto, grouped, reads = False, True, "buffers"
+    auto, grouped, reads, auto_grouped = False, True, "buffers", True
     act_limbs = dataflow.GROUP_ACT_LIMBS
 
     def available(self, device: torch.device) -> Fit:
