@@ -148,7 +148,7 @@ int64_t row_exponents(const void *x, int mant, int expo, int64_t qmax, int64_t M
                    int64_t *e_r) {
     const int wide = mant + expo + 1 == 32;
     int64_t non_finite = 0;
-#pragma omp parallel for schedule(static) reduction(+ : non_finite)
+#pragma omp parallel for schedule(static) reduction(+ : non_finite) if (M > 1)  // one row: no team
     for (int64_t r = 0; r < M; r++) {
         uint32_t amax = 0;
         for (int64_t k = r * K; k < (r + 1) * K; k++) {

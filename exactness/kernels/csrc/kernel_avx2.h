@@ -43,6 +43,9 @@
         default: CALL(TILE_ROWS, __VA_ARGS__); break;    \
     }
 #define GROUPS8(K) (((K) / 32 + 7) / 8 * 8)  // G8: a row's groups, rounded up to 8
+#ifndef PREFETCH_ROW_WORDS
+#define PREFETCH_ROW_WORDS 2048  // how far ahead the tile asks for a row's words (measured)
+#endif
 // one row of x in a limb plane: its limbs, K rounded up to a whole chunk of 64, then (plane 0)
 // its group sums S_lo, S_hi as int32 [G8] each
 #define ACT_ROW_BYTES(K) (((K) + 63) / 64 * 64 + 8 * GROUPS8(K))
@@ -215,6 +218,10 @@ ALWAYS_INLINE void eight_groups(const int32_t *row, const uint8_t *const *a, int
         }
         const __m256i w = tail ? row_words(row, j, words)
                                : _mm256_loadu_si256((const __m256i *)(row + j));
+        // a line of words PREFETCH_ROW_WORDS ahead (past the row's end, the next row's): a
+        // thread streams its rows from memory, and the hardware's prefetch stops at each page
+        if (!tail && h % 2 == 0) _mm_prefetch((const char *)(row + j + PREFETCH_ROW_WORDS),
+                                              _MM_HINT_T0);
         FOR_ROWS(i) {
             if (nibbles) {
                 nibble_dots(w, a[i] + j * 8, plane, limbs, &pl[i][h], &ph[i][h]);
@@ -305,7 +312,7 @@ static void quantize_into(const void *x, int format, int64_t M, int64_t K, const
                           uint8_t *out, int mode, int order) {
     const int64_t row_bytes = ACT_ROW_BYTES(K), plane = M * row_bytes, G8 = GROUPS8(K);
     const int64_t chunk = order ? 64 : 32;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) if (M > 1)  // one row: no team to wake
     for (int64_t r = 0; r < M; r++) {
         const union { uint64_t u; double d; } power = {(uint64_t)(1023 - e_r[r]) << 52};
         const __m256d scale = _mm256_set1_pd(power.d);  // 2**-e_r, from its bit pattern
@@ -405,6 +412,11 @@ static Block prepare_block(const Layer *L, int64_t b, uint8_t *w, int32_t *wsum,
     int32_t *factors = (int32_t *)w;
     const __m256i zero = _mm256_setzero_si256(), byte = _mm256_set1_epi16(255);
     const __m256i nibble_order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);
+    if ((b + 1) * 16 < L->N) {  // the next block's scales, which this thread reads next
+        const char *next = (const char *)(L->scale + (b + 1) * 16 * G);
+        const int64_t bytes = (L->N - (b + 1) * 16 < 16 ? L->N - (b + 1) * 16 : 16) * G * 2;
+        for (int64_t i = 0; i < bytes; i += 64) _mm_prefetch(next + i, _MM_HINT_T0);
+    }
     for (int64_t n = 0; n < 16; n++) {
         const uint16_t *scale = L->scale + (b * 16 + n) * G;
         int lo = 0xFFFF, hi = 0, nonfinite = 0;  // the row's least and largest exponent fields
