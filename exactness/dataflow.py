@@ -68,12 +68,12 @@ def combine_bound(k: int, w_bits: int, act_bits: int, spread: int) -> int:
 
 
 def max_safe_spread(k: int, w_bits: int, act_bits: int, acc_bits: int = COMBINE_ACC_BITS) -> int:
-    """The largest spread whose combine fits a signed `acc_bits` accumulator (-1: none does)."""
+    """The largest spread whose combine fits a signed `acc_bits` accumulator (-1: none does).
+    combine_bound is its bound at spread 0 shifted left by the spread, so that is the largest s
+    with bound << s <= limit: the bit length of limit // bound, less one (a layer's every forward
+    asks, on the CPU: no search)."""
     limit = 2 ** (acc_bits - 1) - 1
-    spread = -1
-    while combine_bound(k, w_bits, act_bits, spread + 1) <= limit:
-        spread += 1
-    return spread
+    return (limit // combine_bound(k, w_bits, act_bits, 0)).bit_length() - 1
 
 MAX_WEIGHT_LIMBS = 3  # the CPU path folds scales into weights of at most 3 int8 limbs
 
