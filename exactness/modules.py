@@ -258,8 +258,12 @@ class ExactLayer(nn.Module):
         if self.strict:  # v1's rule: a non-finite x or scale raises (a read of the device)
             check_finite_tensor(x2, "x")
             check_finite_tensor(weights.scale, "weight_scale")
-        y = ops.linear(x2.detach(), weights.packed, weights.scale, self.in_features, self.bits,
-                       self.act_bits, torch_dtype(out_format), self.family(x2), self.kernel)
+        # the op's dispatch costs about 0.3 ms a call on a 2-core CPU, a fifth of a Kimi
+        # projection at M = 1 (docs/PERFORMANCE.md): a plain eager CPU forward calls the op's
+        # body; a GPU, a trace, a capture or torch.compile takes the op
+        call = ops.forward if plainly_on_the_cpu(x2) else ops.linear
+        y = call(x2.detach(), weights.packed, weights.scale, self.in_features, self.bits,
+                 self.act_bits, torch_dtype(out_format), self.family(x2), self.kernel)
         if x.requires_grad and torch.is_grad_enabled():
             y = no_backward(x, y)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
@@ -278,6 +282,15 @@ class ExactLayer(nn.Module):
         if x.dim() == 0 or x.shape[-1] != k:
             raise ShapeError(f"x.shape[-1] must be in_features={k}, got shape {tuple(x.shape)}")
         return (x if x.dim() == 2 else x.reshape(-1, k)), out_format  # (a reshape: ~30 us cold)
+
+
+def plainly_on_the_cpu(t: torch.Tensor) -> bool:
+    """Whether t is a plain CPU tensor that nothing traces: no torch.compile, jit trace, fake or
+    subclass tensor, or dispatch mode (make_fx's) sees the forward."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return (t.device.type == "cpu" and type(t) is torch.Tensor and not traced(t)
+            and not torch.jit.is_tracing() and _get_current_dispatch_mode() is None)
 
 
 def traced(t: torch.Tensor) -> bool:

@@ -42,6 +42,29 @@ def fake_layer(k: int, n: int, act_bits: int, bits: int = 4) -> torch.nn.Module:
     return ExactLinear(k, n, act_bits, bits=bits, device="cuda")
 
 
+def test_a_plain_cpu_forward_calls_the_ops_body_and_a_traced_one_the_op(monkeypatch):
+    """An eager CPU forward skips the op's dispatch (0.3 ms a call: docs/PERFORMANCE.md) and
+    gives the op's bits; under a dispatch mode (make_fx's), a fake tensor or torch.compile the
+    forward is the op itself, so a trace holds exactness::linear."""
+    from exactness import modules
+
+    layer = ExactLinear.from_weight(torch.randn(40, 64))
+    x = torch.randn(3, 64).bfloat16()
+    calls = []
+    op = ops.linear
+    monkeypatch.setattr(ops, "linear", lambda *args: calls.append(1) or op(*args))
+    y = layer(x)
+    assert calls == [] and modules.plainly_on_the_cpu(x)
+    weights = layer.weights()
+    y_op = op(x, weights.packed, weights.scale, 64, layer.bits, layer.act_bits, torch.bfloat16,
+              "cpu", None)
+    assert torch.equal(y.view(torch.int16), y_op.view(torch.int16))
+    with FakeTensorMode():
+        assert not modules.plainly_on_the_cpu(torch.empty(3, 64))
+    graph = make_fx(lambda t: layer(t))(x).graph
+    assert any("exactness.linear" in str(node.target) for node in graph.nodes), graph
+
+
 @pytest.mark.parametrize("act_bits", [4, 8, 16, 32])
 @pytest.mark.parametrize("k, n", KIMI, ids=["gate-up", "down"])
 def test_the_layer_forward_runs_on_fake_cuda_tensors(act_bits, k, n):

@@ -144,8 +144,8 @@ CATALOGUE = (
            ("tests/test_errors.py::test_layer_non_finite_x_gives_nan_rows_or_raises_when_strict"
             "[triton-group]",)),
     Mutant("host-read-in-the-layer-forward", at(modules.ExactLayer.forward),
-           "y = ops.linear(x2.detach(),",
-           "x2 = x2[:int(x2.shape[0] + 0 * x2.abs().max())]; y = ops.linear(x2.detach(),",
+           "y = call(x2.detach(),",
+           "x2 = x2[:int(x2.shape[0] + 0 * x2.abs().max())]; y = call(x2.detach(),",
            "an .item() in the forward: a CUDA graph cannot capture it, a trace breaks",
            (CAPTURE + "test_the_layer_forward_runs_on_fake_cuda_tensors[gate-up-16]",
             CAPTURE + "test_the_layer_graph_holds_its_op_and_shape_ops_alone[16]")),
