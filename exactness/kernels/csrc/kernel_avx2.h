@@ -303,6 +303,41 @@ ALWAYS_INLINE __m128i scaled_integers(__m128 v, __m256d scale) {
         _mm256_round_pd(exact, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 
+// Row r of x (its K values from x[r K]) into its place `row` of each plane, `mode` and `order`
+// compile-time constants (quantize_into's): every division below a shift.
+ALWAYS_INLINE void quantize_row(const void *x, int format, int64_t r, int64_t K, int64_t e,
+                                uint8_t *row, int64_t plane, const int mode, const int order) {
+    const int64_t chunk = order ? 64 : 32, G8 = GROUPS8(K);
+    const union { uint64_t u; double d; } power = {(uint64_t)(1023 - e) << 52};
+    const __m256d scale = _mm256_set1_pd(power.d);  // 2**-e_r, from its bit pattern
+    int32_t *s = (int32_t *)(row + (K + 63) / 64 * 64);
+    const int64_t last = K / chunk * chunk;  // the padding of each plane's row: zeros
+    for (int l = 0; l < mode; l++) memset(row + l * plane + last, 0, ACT_ROW_BYTES(K) - last);
+    for (int64_t k = 0; k < K; k += 8) {
+        const __m256 v = load8(x, r * K + k, format);
+        int32_t qa[8];
+        _mm_storeu_si128((__m128i *)qa, scaled_integers(_mm256_castps256_ps128(v), scale));
+        _mm_storeu_si128((__m128i *)(qa + 4), scaled_integers(_mm256_extractf128_ps(v, 1), scale));
+        for (int i = 0; i < 8; i++) {
+            const int64_t at = k + i, base = at / chunk * chunk, in = at - base;
+            const int64_t to = base + (in % 2) * (chunk / 2) + in / 2;  // evens, then odds
+            for (int l = 0; l < mode; l++) row[l * plane + to] = (uint8_t)(qa[i] >> (8 * l));
+            // the group's place: 4-bit, each 8 groups in the factors' order (tile)
+            const int64_t gr = at / 32, to_g = order ? gr / 8 * 8 + gr % 2 * 4 + gr % 8 / 2
+                                                     : gr;
+            if (mode == 4) {
+                s[to_g] += qa[i] & 0xFFFF;
+                s[G8 + to_g] += qa[i] >> 16;
+            } else {
+                s[to_g] += qa[i];
+            }
+        }
+    }
+}
+
+#define QUANTIZE_ROW(MODE, ORDER) \
+    quantize_row(x, format, r, K, e_r[r], out + r * row_bytes, plane, MODE, ORDER)
+
 // qa = RNE(x * 2**-e_r[r]) as `mode` (1, 2 or 4) limbs in this file's layout (above): each row
 // ACT_ROW_BYTES(K) apart in each plane, planes `plane` bytes apart (M rows each), every chunk's
 // even k then its odd k (chunks of 64 k with `order`, for 4-bit words read in place, their group
@@ -310,37 +345,15 @@ ALWAYS_INLINE __m128i scaled_integers(__m128 v, __m256d scale) {
 // the limbs in plane 0. (Mode 0, the span kernel's int16 words, is not built here.)
 static void quantize_into(const void *x, int format, int64_t M, int64_t K, const int64_t *e_r,
                           uint8_t *out, int mode, int order) {
-    const int64_t row_bytes = ACT_ROW_BYTES(K), plane = M * row_bytes, G8 = GROUPS8(K);
-    const int64_t chunk = order ? 64 : 32;
+    const int64_t row_bytes = ACT_ROW_BYTES(K), plane = M * row_bytes;
 #pragma omp parallel for schedule(static) if (M > 1)  // one row: no team to wake
     for (int64_t r = 0; r < M; r++) {
-        const union { uint64_t u; double d; } power = {(uint64_t)(1023 - e_r[r]) << 52};
-        const __m256d scale = _mm256_set1_pd(power.d);  // 2**-e_r, from its bit pattern
-        uint8_t *row = out + r * row_bytes;
-        int32_t *s = (int32_t *)(row + (K + 63) / 64 * 64);
-        const int64_t last = K / chunk * chunk;  // the padding of each plane's row: zeros
-        for (int l = 0; l < mode; l++) memset(row + l * plane + last, 0, row_bytes - last);
-        for (int64_t k = 0; k < K; k += 8) {
-            const __m256 v = load8(x, r * K + k, format);
-            int32_t qa[8];
-            _mm_storeu_si128((__m128i *)qa, scaled_integers(_mm256_castps256_ps128(v), scale));
-            _mm_storeu_si128((__m128i *)(qa + 4),
-                             scaled_integers(_mm256_extractf128_ps(v, 1), scale));
-            for (int i = 0; i < 8; i++) {
-                const int64_t at = k + i, base = at / chunk * chunk, in = at - base;
-                const int64_t to = base + (in % 2) * (chunk / 2) + in / 2;  // evens, then odds
-                for (int l = 0; l < mode; l++) row[l * plane + to] = (uint8_t)(qa[i] >> (8 * l));
-                // the group's place: 4-bit, each 8 groups in the factors' order (tile)
-                const int64_t gr = at / 32, to_g = order ? gr / 8 * 8 + gr % 2 * 4 + gr % 8 / 2
-                                                         : gr;
-                if (mode == 4) {
-                    s[to_g] += qa[i] & 0xFFFF;
-                    s[G8 + to_g] += qa[i] >> 16;
-                } else {
-                    s[to_g] += qa[i];
-                }
-            }
-        }
+        if (order && mode == 4) QUANTIZE_ROW(4, 1);
+        else if (order && mode == 2) QUANTIZE_ROW(2, 1);
+        else if (order) QUANTIZE_ROW(1, 1);
+        else if (mode == 4) QUANTIZE_ROW(4, 0);
+        else if (mode == 2) QUANTIZE_ROW(2, 0);
+        else QUANTIZE_ROW(1, 0);
     }
 }
 
