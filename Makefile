@@ -15,7 +15,8 @@ PYTEST_ARGS ?= -n 2
 # package again, and each pytest its tests' rewritten asserts (2 s of a pytest's start-up).
 unexport PYTHONDONTWRITEBYTECODE
 
-.PHONY: gpu-wheels setup test verify lint prove bench mutants mutmut repro precision peers clean
+.PHONY: gpu-wheels setup test verify lint prove bench mutants mutmut repro precision peers kt-peer \
+	clean
 
 setup: $(STAMP)
 
@@ -51,9 +52,25 @@ mutmut: setup
 repro: setup
 	$(BIN)/python -m exactness repro $(FILE)
 
-# other int4 kernels under python -m exactness check, timed against bf16: docs/PEERS.md
+# other int4 kernels under python -m exactness check, timed against bf16, then kt-kernel's MoE
+# beside the exact MoE: docs/PEERS.md
 peers: setup
 	$(BIN)/python -m exactness.suite.peers
+	$(MAKE) kt-peer
+
+# kt-kernel (KTransformers' CPU MoE, a measurement peer, never a dependency) in a venv of its own:
+# installed without its pinned torch 2.9.1 (its extensions do not link libtorch), beside 2.13
+KT_VENV := .venv-kt
+KT_KERNEL ?= kt-kernel==0.7.2
+$(KT_VENV)/.installed:
+	$(PYTHON) -m venv $(KT_VENV)
+	$(KT_VENV)/bin/pip install -q torch==2.13.0 numpy safetensors gguf tqdm
+	$(KT_VENV)/bin/pip install -q --no-deps $(KT_KERNEL)
+	$(KT_VENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
+kt-peer: $(KT_VENV)/.installed
+	$(KT_VENV)/bin/python bench/kt_peer.py $(KT_ARGS)
 
 prove: setup
 	$(BIN)/python -m exactness prove
@@ -66,7 +83,7 @@ lint: setup
 	$(BIN)/ruff check exactness tests proofs bench conftest.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis reports mutants
+	rm -rf $(VENV) $(KT_VENV) .pytest_cache .hypothesis reports mutants
 
 # The wheels bench/gpu_check.sh installs on a bare GPU machine (Python 3.12, no network): what it
 # lacks of the suite's needs, pinned to the versions .venv has. Carry .whl with the device call.

@@ -14,6 +14,7 @@ slower paths' layouts).
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
 import time
 from pathlib import Path
@@ -39,6 +40,24 @@ def kimi_layer(k: int, n: int, act_bits: int, seed: int = 0, binades: int = 2,
                            "weight_scale": bits_to_tensor(scales, "bfloat16"),
                            "weight_shape": torch.tensor([n, k])})
     return layer
+
+
+def random_layer(layer, generator: torch.Generator) -> None:
+    """Uniform nibbles and bf16 scales over two binades (2**-7 .. 2**-5), as bench_forward's."""
+    n, k = layer.out_features, layer.in_features
+    layer.load_state_dict({
+        "weight_packed": torch.randint(-2**31, 2**31, (n, k // 8), dtype=torch.int32,
+                                       generator=generator),
+        "weight_scale": (0x3C00 + torch.randint(0, 256, (n, k // 32), generator=generator)).to(
+            torch.int16).view(torch.bfloat16),
+        "weight_shape": torch.tensor([n, k])})
+
+
+def cpu_name() -> str:
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            return line.split(":", 1)[1].strip()
+    return platform.processor()
 
 
 def dequantized_bf16(layer: PackedInt4Linear) -> torch.Tensor:
@@ -69,10 +88,10 @@ def main() -> int:
     parser.add_argument("--out", default="reports/bench.md")
     args = parser.parse_args()
     torch.manual_seed(0)
-    lines = [f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
+    lines = [f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads, "
              f"median of {args.repeats}, scales over {args.binades} binades per row", "",
-             "| shape | act_bits | M | exact ms | bf16 ms | ratio exact/bf16 | checks ms | "
-             "checks/exact |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| shape | act_bits | M | kernel | exact ms | bf16 ms | ratio exact/bf16 | "
+             "checks ms | checks/exact |", "|" + " --- |" * 9]
     print("\n".join(lines), flush=True)
     for name, (k, n) in SHAPES.items():
         for act_bits in args.act_bits:
@@ -82,7 +101,8 @@ def main() -> int:
                 x = torch.randn(m, k).bfloat16()
                 exact, bf16, check = side_by_side(
                     [lambda: layer(x), lambda: x @ w.t(), layer.weights], args.repeats)
-                line = (f"| {name} | {act_bits} | {m} | {exact * 1e3:.2f} | {bf16 * 1e3:.2f} | "
+                line = (f"| {name} | {act_bits} | {m} | {layer.plan(x).kernel.name} | "
+                        f"{exact * 1e3:.2f} | {bf16 * 1e3:.2f} | "
                         f"{exact / bf16:.2f} | {check * 1e3:.2f} | {check / exact:.2f} |")
                 lines.append(line)
                 print(line, flush=True)

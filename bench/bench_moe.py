@@ -14,29 +14,17 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 from pathlib import Path
 
 import torch
 from transformers import DeepseekV3Config
 from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3Experts
 
-from bench.bench_forward import side_by_side
+from bench.bench_forward import cpu_name, random_layer, side_by_side
 from exactness.kimi import ExactExperts
 
 HIDDEN, INTER, TOP_K = 7168, 2048, 8
 REPEATS = {1: 21, 16: 11, 128: 7, 1024: 3}  # per token count: each call is ~T times longer
-
-
-def random_layer(layer, generator: torch.Generator) -> None:
-    """Uniform nibbles and bf16 scales over two binades (2**-7 .. 2**-5), as bench_forward's."""
-    n, k = layer.out_features, layer.in_features
-    layer.load_state_dict({
-        "weight_packed": torch.randint(-2**31, 2**31, (n, k // 8), dtype=torch.int32,
-                                       generator=generator),
-        "weight_scale": (0x3C00 + torch.randint(0, 256, (n, k // 32), generator=generator)).to(
-            torch.int16).view(torch.bfloat16),
-        "weight_shape": torch.tensor([n, k])})
 
 
 def dequantized(layer) -> torch.Tensor:
@@ -72,13 +60,6 @@ def routing(tokens: int, experts: int, seed: int) -> tuple[torch.Tensor, torch.T
     return ids, weights / weights.sum(1, keepdim=True) * 2.827
 
 
-def cpu_name() -> str:
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -88,9 +69,13 @@ def main() -> int:
     parser.add_argument("--out", default="reports/bench_moe.md")
     args = parser.parse_args()
     exact, bf16 = experts_pair(args.experts, args.act_bits)
+    from exactness import moe
+
+    plan = moe.plan([[exact[0].gate_proj, exact[0].up_proj]], torch.zeros(1, HIDDEN).bfloat16())
     lines = [f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, "
              f"{torch.get_num_threads()} threads; {args.experts} experts of {HIDDEN} -> "
-             f"{INTER}, top-{TOP_K}, act_bits {args.act_bits}; medians", "",
+             f"{INTER}, top-{TOP_K}, act_bits {args.act_bits}; the grouped call: "
+             f"{plan.kernel.name if plan else 'the per-expert loop'}; medians", "",
              "| T | grouped ms | per-expert ms | bf16 ms | grouped / bf16 | "
              "grouped / per-expert | checks ms |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
