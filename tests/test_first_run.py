@@ -3,6 +3,7 @@ child process (kernels/first_run.py). Planted kernels that die there (an illegal
 wild pointer, a division by zero, a hang) are refused by name: in the verdict, in `plan(x)` and
 in the one fallback warning. The test process survives, and the forward's bits stay exact."""
 
+import functools
 import os
 import secrets
 import subprocess
@@ -228,3 +229,50 @@ def test_a_forked_process_starts_its_own_fork_server(tmp_path, monkeypatch):
     assert server.process is not parents and parents.poll() is None
     parents.stdin.close()
     assert parents.wait(timeout=30) == 0
+
+
+@pytest.fixture
+def own_server(monkeypatch):
+    """A fork server of the test's own, started with the test's environment (its PYTHONPATH)."""
+    server = first_run._ForkServer()
+    monkeypatch.setattr(first_run, "_SERVER", server)
+    yield server
+    if server.process is not None:
+        server.process.stdin.close()
+        server.process.wait(timeout=30)
+
+
+def test_a_change_anywhere_in_the_checking_code_gives_a_fresh_verdict(tmp_path, monkeypatch,
+                                                                      own_server):
+    """A cached verdict is keyed on every module of the check's package: a change to a rule the
+    check imports from outside its own folder (probe_rules/rules.py beside probe_rules/check/, as
+    the C kernels' checks import the contract and the formats) is judged afresh. Planted: a key
+    on the check's own folder."""
+    package = tmp_path / "probe_rules"
+    (package / "check").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "check" / "__init__.py").write_text("")
+    (package / "check" / "judge.py").write_text(
+        "from exactness.kernels.registry import yes\nfrom probe_rules import rules\n"
+        "def judge(file, digest):\n    return yes(f'answer {rules.ANSWER}')\n")
+    rules = package / "rules.py"
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")  # (a .pyc of the same second: stale)
+    library = tmp_path / "probe.so"
+    library.write_bytes(b"")
+
+    def verdict(answer: int) -> str:
+        rules.write_text(f"ANSWER = {answer}\n")
+        first_run._code.cache_clear()  # as the next process reads it
+        return first_run.run(library, "a digest", "probe_rules.check.judge:judge", "a probe",
+                             toolchain.machine()).verdict.why
+
+    assert verdict(1) == "answer 1"
+    assert verdict(1) == "answer 1"
+    assert verdict(2) == "answer 2"
+    # planted: the key of the check's folder alone
+    monkeypatch.setattr(first_run, "_code", functools.cache(lambda check: "".join(
+        path.read_text() for path in sorted((package / "check").glob("*.py")))))
+    assert verdict(3) == "answer 3"
+    assert verdict(4) == "answer 3"  # the stale verdict: what the key above refuses

@@ -96,6 +96,7 @@ def test_other_code_or_another_interpreter_runs_again(store, monkeypatch):
     assert _runs_again(*kernels._inputs(21))
     # planted: a function named by its arguments alone, or the interpreter not named at all
     monkeypatch.setattr(interpreter_store, "_code", lambda code: repr(code.co_varnames))
+    monkeypatch.setattr(interpreter_store, "_source", lambda module, path: "")
     blind = interpreter_store.Store(store.directory.parent / "blind-code")
     monkeypatch.setattr(interpreter_store, "default_store", lambda: blind)
     assert not _runs_again(*kernels._inputs(22))
@@ -176,3 +177,71 @@ def test_a_method_planted_in_an_interpreter_class_is_another_interpreter(monkeyp
         interpreter_store._owners_name(owners)
     monkeypatch.undo()
     assert interpreter_store._owners_name(owners) == shipped
+
+
+def _probe_kernels(root: Path, times: int, step: int, bias: int) -> None:
+    """A package of kernels whose helpers' constants are reached three ways: a literal in a
+    helper, a module's constant through a chain of modules (probe.helpers.steps.STEP, the kernel's
+    module naming only `probe`), and a class's attribute."""
+    (root / "probe" / "helpers").mkdir(parents=True, exist_ok=True)
+    (root / "probe" / "__init__.py").write_text("")
+    (root / "probe" / "helpers" / "__init__.py").write_text("")
+    (root / "probe" / "helpers" / "steps.py").write_text(
+        "import triton\nimport triton.language as tl\n"
+        f"STEP = tl.constexpr({step})\n"
+        f"class Bias:\n    VALUE = {bias}\n"
+        "@triton.jit\ndef shifted(v):\n    return v + STEP\n"
+        f"@triton.jit\ndef scaled(v):\n    return v * {times}\n")
+    (root / "probe" / "kernels.py").write_text(
+        "import triton\nimport triton.language as tl\nimport probe.helpers.steps\n"
+        "from probe.helpers.steps import Bias, scaled\n"
+        "@triton.jit\ndef kernel(x_ptr, y_ptr, N: tl.constexpr):\n"
+        "    offs = tl.arange(0, N)\n"
+        "    x = tl.load(x_ptr + offs)\n"
+        "    tl.store(y_ptr + offs, scaled(x))\n"
+        "    tl.store(y_ptr + N + offs, probe.helpers.steps.shifted(x))\n"
+        "    tl.store(y_ptr + 2 * N + offs, x + Bias.VALUE)\n")
+
+
+_PROBE_CHILD = """
+import json, sys, types
+sys.path.insert(0, sys.argv[1])
+import torch
+from exactness.suite import device, interpreter_replay, interpreter_store
+if sys.argv[2] == "blind":  # planted: code named without its files, no namespace walked
+    interpreter_store._source = lambda module, path: ""
+    interpreter_replay._namespace = lambda value: False
+import probe.kernels
+x, y = torch.arange(1, 5, dtype=torch.int32), torch.zeros(12, dtype=torch.int32)
+probe.kernels.kernel[(1,)](x, y, N=4)
+print(json.dumps([y.tolist()[::4], interpreter_replay.stats["recalled"]]))
+"""
+
+
+def _probe(tmp_path, plant: str) -> list:
+    """[[x*times, x+step, x+bias] at x=1, launches recalled] from a fresh process on the store
+    in tmp_path."""
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "EXACTNESS_DEVICE": "interpret",
+           "PYTHONDONTWRITEBYTECODE": "1"}  # (a .pyc of the same second would be stale)
+    child = subprocess.run([sys.executable, "-c", _PROBE_CHILD, str(tmp_path / "src"), plant],
+                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0, child.stderr[-2000:]
+    return json.loads(child.stdout.splitlines()[-1])
+
+
+@pytest.mark.parametrize("plant", ["none", "blind"])
+def test_a_constant_changed_in_a_helper_gives_the_next_process_new_bits(tmp_path, plant):
+    """The same store, warm, and one constant changed between two processes, whichever way the
+    kernel reaches it: the next process computes the new bits. Planted: a name blind to them."""
+    _probe_kernels(tmp_path / "src", times=3, step=10, bias=100)
+    assert _probe(tmp_path, plant) == [[3, 11, 101], 0]
+    for times, step, bias in ((5, 10, 100), (5, 20, 100), (5, 20, 200)):
+        _probe_kernels(tmp_path / "src", times, step, bias)
+        got = _probe(tmp_path, plant)
+        if plant == "blind" and (step, bias) != (10, 100):
+            assert got[0] != [5, 1 + step, 1 + bias]  # the last bits, recalled
+            return
+        assert got == [[times, 1 + step, 1 + bias], 0]
+    assert _probe(tmp_path, plant) == [[5, 21, 201], 1]  # unchanged: recalled
+    assert plant == "none", "the planted blind name was not caught"

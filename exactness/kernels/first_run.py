@@ -13,8 +13,9 @@ Each child is forked from one fork server a process starts at its first first ru
 start or fails, the child is a fresh Python, as before, and the process says why once.
 
 A verdict is cached beside the library in the kernels' private cache. It is keyed by the
-library's digest, the CPU's flags and the checking code (the modules of its wing), so the child
-runs once per build and machine, not once per process. A timeout is not cached: a loaded
+library's digest, the CPU's flags and the checking code (every module of the check's package,
+and torch's version), so the child runs once per build and machine, not once per process, and
+again after any change to what judges it. A timeout is not cached: a loaded
 machine may pass next time.
 """
 
@@ -89,10 +90,18 @@ def _key(digest: str, check: str, machine: str) -> str:
 
 @functools.cache
 def _code(check: str) -> str:
-    """The source of this module and of the check's wing (every module of its package: the check
-    compares the library with their Python twins), read once per process, not per build."""
-    wing = Path(importlib.util.find_spec(check.partition(":")[0]).origin).parent
-    return "".join(path.read_text() for path in (Path(__file__), *sorted(wing.glob("*.py"))))
+    """The checking code: every Python file of the check's top-level package (exactness, for the
+    kernels' checks), not its wing's alone, since a check leans on the contract, the formats and
+    the quantization it compares with; and torch's version, whose operations it calls. Read once
+    a process, not once a build."""
+    spec = importlib.util.find_spec(check.partition(".")[0].partition(":")[0])
+    files = {Path(__file__)}
+    for folder in spec.submodule_search_locations or ():  # (a package; else its one file)
+        files.update(Path(folder).rglob("*.py"))
+    files.add(Path(spec.origin))
+    torch = sys.modules.get("torch")
+    return "".join(f"{path.name}\0{path.read_text()}\0" for path in sorted(files)) + \
+        str(getattr(torch, "__version__", None))
 
 
 def _child(file: Path, digest: str, check: str, build: str) -> tuple[FirstRun, bool]:

@@ -126,16 +126,17 @@ def _unreplayable(original):
 
 def _code_of(fn, seen: dict) -> None:
     """Every global `fn` names, into `seen` (id -> object): through the @triton.jit helpers and
-    functions it calls, and the attributes it reads of the modules it names (not Triton's,
-    numpy's or torch's: those are the interpreter's, compared whole)."""
-    names = set(fn.__code__.co_names)
-    for const in fn.__code__.co_consts:
-        names.update(getattr(const, "co_names", ()))
+    functions it calls, and the attributes it reads of the modules and classes it names, and of
+    theirs in turn (`a.b.c`), but not Triton's, numpy's or torch's: those are the interpreter's,
+    compared whole."""
+    names = _names(fn.__code__)
     found = [fn.__globals__[name] for name in names if name in fn.__globals__]
-    for value in found[:]:
-        if type(value).__name__ == "module" and not value.__name__.startswith(
-                ("triton", "numpy", "torch")):
-            found += [vars(value)[name] for name in names if name in vars(value)]
+    walked: set = set()
+    for value in found:  # (grows: a namespace's attributes are walked in turn)
+        if _namespace(value) and id(value) not in walked:
+            walked.add(id(value))
+            attributes = vars(value)
+            found += [attributes[name] for name in names if name in attributes]
     for value in found:
         # a @triton.jit helper keeps its function in .fn
         for each in (value, getattr(value, "fn", None)):
@@ -144,6 +145,27 @@ def _code_of(fn, seen: dict) -> None:
             seen[id(each)] = each
             if isinstance(each, types.FunctionType):
                 _code_of(each, seen)
+
+
+def _names(code: types.CodeType) -> set:
+    """The names a code object reads, its nested code's (a comprehension's) included."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if type(const) is types.CodeType:
+            names |= _names(const)
+    return names
+
+
+def _namespace(value) -> bool:
+    """A module or class whose attributes a kernel may read (a constant, a helper), not one of
+    the interpreter's libraries."""
+    if isinstance(value, types.ModuleType):
+        owner = value.__name__
+    elif isinstance(value, type):
+        owner = value.__module__ or ""
+    else:
+        return False
+    return owner.partition(".")[0] not in interpreter_store.LIBRARIES
 
 
 def _same_code(fn, owners: tuple) -> tuple:

@@ -10,7 +10,9 @@ changed.
 - **The code by content**: the kernel and each helper and global it names, as _code_of finds
   them: a function by its bytecode, constants, names, defaults and closure (never its line
   numbers, never marshal's bytes, which vary with reference counts), a constexpr or a number by
-  its value. A global of another kind leaves the launch to this process alone.
+  its value. A global of another kind leaves the launch to this process alone. And each
+  function, module and class by the source file it came from, whole: a constant the walk
+  above missed (a class's attribute, a module's) still names another launch.
 - **The interpreter by content**: every attribute of the interpreter, the language and the
   builder's options, described the same way (a planted operation is another interpreter); the
   source files of Triton and of the suite's interpreter speed-ups; numpy's, torch's and
@@ -39,11 +41,12 @@ import time
 import types
 from pathlib import Path
 
-__all__ = ["BUDGET_BYTES", "Store", "content", "default_store", "held_bytes"]
+__all__ = ["BUDGET_BYTES", "LIBRARIES", "Store", "content", "default_store", "held_bytes"]
 
 BUDGET_BYTES = 2 << 30  # the store's files, all together: pruned to 3/4 of it when over
 _MAGIC = b"exactness-launch-2\n"
 _PRUNE_EVERY_S = 3600  # how often a process looks at the store's size
+LIBRARIES = ("triton", "numpy", "torch")  # the interpreter's: named by version and _environment
 _SUITE_FILES = ("interpreter.py", "interpreter_values.py", "interpreter_replay.py",
                 "interpreter_store.py", "interpreter_tables.py")
 
@@ -69,7 +72,8 @@ def content(value, strict: bool, depth: int = 0) -> str:
                    for c in value.__closure__ or ()]
         defaults = [more(d) for d in value.__defaults__ or ()]
         keywords = [f"{k}={more(v)}" for k, v in sorted((value.__kwdefaults__ or {}).items())]
-        return f"fn:{value.__module__}:{_code(value.__code__)}:{defaults}{keywords}{closure}"
+        return (f"fn:{value.__module__}:{_source(value.__module__, value.__code__.co_filename)}:"
+                f"{_code(value.__code__)}:{defaults}{keywords}{closure}")
     if kind is types.CodeType:
         return _code(value)
     if kind in (list, set) and not strict:  # (the interpreter's state: a cache, a count)
@@ -79,9 +83,12 @@ def content(value, strict: bool, depth: int = 0) -> str:
     if kind in (frozenset, set):
         return f"{kind.__name__}:[{','.join(sorted(more(v) for v in value))}]"
     if kind is types.ModuleType:
-        return f"module:{value.__name__}"
+        file = getattr(value, "__file__", None)
+        return f"module:{value.__name__}:{_source(value.__name__, file)}"
     if isinstance(value, type):
-        return f"class:{value.__module__}.{value.__qualname__}"
+        module = sys.modules.get(value.__module__)
+        return (f"class:{value.__module__}.{value.__qualname__}:"
+                f"{_source(value.__module__, getattr(module, '__file__', None))}")
     if kind in (types.BuiltinFunctionType, types.BuiltinMethodType, types.WrapperDescriptorType,
                 types.MethodDescriptorType, types.GetSetDescriptorType):
         return f"builtin:{getattr(value, '__module__', None)}.{value.__qualname__}"
@@ -119,6 +126,23 @@ def _filled(cell) -> bool:
     except ValueError:
         return False
     return True
+
+
+def _source(module: str | None, path: str | None) -> str:
+    """The Python source file of something of `module` by content ("" for none: code compiled
+    from a string, an extension module, or a library's file, which _environment and the versions
+    name)."""
+    if (module or "").partition(".")[0] in LIBRARIES or not path or not path.endswith(".py"):
+        return ""
+    return _file_digest(path)
+
+
+@functools.cache
+def _file_digest(path: str) -> str:
+    try:
+        return hashlib.blake2b(Path(path).read_bytes(), digest_size=8).hexdigest()
+    except OSError:
+        return ""
 
 
 @functools.lru_cache(maxsize=4096)
