@@ -242,6 +242,8 @@ def device_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     moe_align_block_size pads it): a row of x holding inf or NaN, a token routed to an expert
     not held, and one with a refused id (outside [0, E], or an expert named twice) give the
     canonical NaN, made on the device (the CPU's call raises for a refused id)."""
+    if x.shape[0] == 0:  # no token: nothing to launch
+        return x.new_empty(x.shape, dtype=dtype)
     kernel = by_name(REGISTRY, "triton-grouped")
     experts = len(buffers) // 9
     layers = [[None if buffers[9 * e + 3 * p].numel() == 0 else

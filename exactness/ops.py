@@ -58,6 +58,8 @@ def forward(x: torch.Tensor, weight_packed: torch.Tensor, weight_scale: torch.Te
             in_features: int, bits: int, act_bits: int, out_dtype: torch.dtype, family: str,
             kernel: str | None) -> torch.Tensor:
     """The op's body: plan, then the Triton kernel (every output on the device) or the CPU's."""
+    if x.shape[0] == 0:  # no row: no kernel to plan or launch (a grid of none divides by 0)
+        return x.new_empty((0, weight_packed.shape[0]), dtype=out_dtype)
     weights = Weights(weight_packed, weight_scale, weight_packed.shape[0], in_features, bits,
                       act_bits)
     chosen = planned(family, x.device, x.shape[0], weights, kernel)
