@@ -169,3 +169,18 @@ def test_a_file_of_the_projects_paths_replays_on_a_kernel(capsys):
     assert repro([file, "--kernel", "exactness.suite.peers:exact16"]) == 0
     assert repro([file, "--kernel", f"{PLANTED}:one_ulp_off"]) == 1
     assert "property 'claim'" in capsys.readouterr().out
+
+
+def test_a_registered_kernel_that_cannot_run_here_is_unknown_not_refuted(monkeypatch, tmp_path):
+    """Nothing of a kernel that cannot run on this machine is checked (a CPU feature or Triton
+    missing): each property is unknown, saying why, and no counterexample is written."""
+    from exactness.kernels import REGISTRY
+    from exactness.kernels.registry import by_name, no
+
+    monkeypatch.setattr(by_name(REGISTRY, "int8-gemm"), "available",
+                        lambda device: no("planted: a CPU without it"))
+    report = check("int8-gemm", examples=3, directory=tmp_path)
+    assert verdicts(report) == dict.fromkeys(checker.PROPERTIES, "unknown") and not report.ok
+    assert all(v.detail == "it cannot run here: planted: a CPU without it" and v.inputs == 0
+               for v in report.verdicts)
+    assert not list(tmp_path.iterdir())

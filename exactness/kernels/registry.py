@@ -239,4 +239,5 @@ def plan(kernels, family: str, device: torch.device, rows: int, weights: Weights
         if bad is None:
             return Plan(kernel, "; ".join(fit.why for fit in fits), passed_over=tuple(passed))
         passed.append((kernel.name, bad.why))
-    raise KernelUnavailableError(f"no {family} kernel runs here: {passed}")
+    raise KernelUnavailableError(f"no {family} kernel runs here: "
+                                 f"{'; '.join(f'{name}: {why}' for name, why in passed)}")

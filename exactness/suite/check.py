@@ -106,6 +106,21 @@ def load_kernel(spec: str) -> Callable:
     return factory
 
 
+def cannot_run(spec: str) -> str | None:
+    """Why a registered kernel cannot run on this machine (no CPU feature, no Triton, no GPU), or
+    None: a kernel that cannot run is not refuted, nothing of it is checked."""
+    if ":" in spec:
+        return None  # an outside kernel says so by raising, and is refuted for it
+    import torch
+
+    from ..kernels import REGISTRY
+    from ..kernels.registry import by_name
+    from .paths import device_of
+
+    fit = by_name(REGISTRY, spec).available(torch.device(device_of(spec) or "cpu"))
+    return None if fit else fit.why
+
+
 def registered(name: str) -> Callable:
     """A factory of the layer with the registered kernel `name` forced: the project's kernels
     are checked as an outside one is."""
@@ -341,6 +356,11 @@ def check(kernel: str, claim: Claim | None = None, *, examples: int = 30, kimi: 
     fmt = float_format(x_format)
     factory = load_kernel(kernel)
     report = Report(kernel, claim)
+    why = cannot_run(kernel)
+    if why is not None:
+        report.verdicts += [Verdict(prop, "unknown", 0, f"it cannot run here: {why}")
+                            for prop in properties]
+        return report
     common = dict(n_multiple=n_multiple, x_format=fmt, scales=scales)
 
     def fn(case, prop):

@@ -49,7 +49,7 @@ class _TritonKernel:
 
     def available(self, device: torch.device) -> Fit:
         if triton is None:
-            return no("the triton package is not installed")
+            return no("the triton package is not installed (pip install 'exactness[triton]')")
         if device.type == "cpu" and not INTERPRETED:
             return no("x is on the CPU and TRITON_INTERPRET=1 is not set")
         if device.type not in ("cpu", "cuda"):
