@@ -47,7 +47,7 @@ MUTANTS ?=
 mutmut: setup
 	$(BIN)/pip install -q mutmut==3.8.1
 	-HYPOTHESIS_PROFILE=ci-kill OMP_NUM_THREADS=1 TRITON_INTERPRET=1 timeout $(MUTMUT_SECONDS) $(BIN)/mutmut run --max-children 2 $(MUTANTS)
-	$(BIN)/python -m exactness.suite.mutmut_score
+	$(BIN)/python -m exactness.suite.mutants.mutmut_score
 
 repro: setup
 	$(BIN)/python -m exactness repro $(FILE)
@@ -55,7 +55,7 @@ repro: setup
 # other int4 kernels under python -m exactness check, timed against bf16, then kt-kernel's MoE
 # beside the exact MoE: docs/PEERS.md
 peers: setup
-	$(BIN)/python -m exactness.suite.peers
+	$(BIN)/python -m exactness.suite.peers.kernels
 	$(MAKE) kt-peer
 
 # kt-kernel (KTransformers' CPU MoE, a measurement peer, never a dependency) in a venv of its own:

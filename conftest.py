@@ -1,4 +1,4 @@
-"""The suite's pytest set-up: the Hypothesis profile (exactness.suite.profiles), the device the
+"""The suite's pytest set-up: the Hypothesis profile (exactness.suite.gate.profiles), the device the
 Triton kernels run on (EXACTNESS_DEVICE: exactness.suite.device), the C kernel emulated where the
 CPU lacks AVX-512 VNNI, and a planted mutant where EXACTNESS_MUTANT names one."""
 
@@ -31,7 +31,8 @@ if "TRITON_INTERPRET" not in os.environ and "EXACTNESS_DEVICE" not in os.environ
 from exactness.suite import device as _device  # noqa: E402
 
 _device.require()
-from exactness.suite import paths, profiles  # noqa: E402
+from exactness.suite import paths  # noqa: E402
+from exactness.suite.gate import profiles  # noqa: E402
 
 profiles.load()
 # where the CPU lacks AVX-512 VNNI, the C kernel's checks run on its emulated build, never skip

@@ -12,14 +12,14 @@ import sys
 
 # command -> (module, what it does); each module's main(argv) parses its own options
 COMMANDS = {
-    "verify": ("exactness.suite.verify", "every check, one verdict table, exit 0 iff exact"),
+    "verify": ("exactness.suite.gate.verify", "every check, one verdict table, exit 0 iff exact"),
     "prove": ("proofs.prover", "Z3 proofs of every accumulator bound"),
-    "repro": ("exactness.suite.repro", "replay counterexample files"),
-    "mutants": ("exactness.suite.mutants", "the mutation catalogue against the suite"),
-    "gate": ("exactness.suite.gate", "the CI gate: which profile .ci/run verifies in, and why"),
+    "repro": ("exactness.suite.gate.repro", "replay counterexample files"),
+    "mutants": ("exactness.suite.mutants.run", "the mutation catalogue against the suite"),
+    "gate": ("exactness.suite.gate.ci", "the CI gate: which profile .ci/run verifies in, and why"),
     "precision": ("exactness.suite.precision", "the precision report (reports/precision.md)"),
-    "kimi": ("exactness.suite.kimi_check", "check a Kimi checkpoint directory on disk"),
-    "check": ("exactness.suite.check_command", "the suite on a kernel this project did not write"),
+    "kimi": ("exactness.suite.peers.kimi_check", "check a Kimi checkpoint directory on disk"),
+    "check": ("exactness.suite.peers.command", "the suite on a kernel this project did not write"),
 }
 # the commands that check the project's kernels: on a CPU without AVX-512 VNNI they check the C
 # kernel emulated, as the tests do (conftest.py)

@@ -7,7 +7,7 @@ import itertools
 
 import torch
 
-from exactness.suite.peers import compressed_tensors_bf16, exact16
+from exactness.suite.peers.kernels import compressed_tensors_bf16, exact16
 from exactness.suite.precision import dequantize
 
 

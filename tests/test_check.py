@@ -14,10 +14,10 @@ from hypothesis import given, settings
 
 from exactness.contract import BFLOAT16, FLOAT32
 from exactness.formats import decode, round_scaled
-from exactness.suite import check as checker
-from exactness.suite import check_command
-from exactness.suite.check import CheckError, Claim, check
-from exactness.suite.repro import main as repro
+from exactness.suite.gate.repro import main as repro
+from exactness.suite.peers import command as check_command
+from exactness.suite.peers import properties as checker
+from exactness.suite.peers.properties import CheckError, Claim, check
 from exactness.suite.strategies import linear_cases
 from exactness.suite.truth import correctly_rounded_bits, true_product, ulp_errors
 
@@ -66,7 +66,7 @@ def test_ulp_errors_measure_from_the_true_value():
 
 
 def test_an_exact_outside_kernel_passes_every_property(tmp_path):
-    report = check("exactness.suite.peers:exact16", examples=4, directory=tmp_path)
+    report = check("exactness.suite.peers.kernels:exact16", examples=4, directory=tmp_path)
     assert verdicts(report) == dict.fromkeys(checker.PROPERTIES, "passed"), \
         check_command.render(report)
     assert all(v.inputs > 0 for v in report.verdicts)
@@ -101,13 +101,13 @@ def test_each_property_refutes_its_planted_bug_and_the_file_replays(
     assert repro([str(verdict.file)]) == 1  # the file names its kernel
     assert "still fails" in capsys.readouterr().out
     # the same input on a sound kernel of the same claim: the property holds
-    sound = "exactness.suite.peers:exact16" if claim.name == "exact" else \
+    sound = "exactness.suite.peers.kernels:exact16" if claim.name == "exact" else \
         f"{PLANTED}:correctly_rounded"
     assert repro([str(verdict.file), "--kernel", sound]) == 0, capsys.readouterr().out
 
 
 def test_a_kernel_that_does_not_refuse_inf_is_refuted_under_refuse(tmp_path):
-    report = check("exactness.suite.peers:compressed_tensors_bf16", Claim("w4a16",
+    report = check("exactness.suite.peers.kernels:compressed_tensors_bf16", Claim("w4a16",
                    non_finite="refuse"), examples=3, directory=tmp_path,
                    properties=("non-finite",))
     assert verdicts(report) == {"non-finite": "refuted"}
@@ -116,7 +116,7 @@ def test_a_kernel_that_does_not_refuse_inf_is_refuted_under_refuse(tmp_path):
 
 @pytest.mark.parametrize("spec, message", [
     ("no_such_module_here:f", "cannot import 'no_such_module_here'"),
-    ("exactness.suite.peers:missing", "has no callable 'missing'"),
+    ("exactness.suite.peers.kernels:missing", "has no callable 'missing'"),
     ("no-such-kernel", "is no MODULE:FACTORY and no kernel named 'no-such-kernel'"),
 ])
 def test_a_kernel_that_cannot_be_loaded_is_a_typed_error(spec, message):
@@ -153,7 +153,7 @@ def test_the_command_line_exits_by_the_verdict(tmp_path, monkeypatch, capsys):
 def test_the_peers_verdicts(tmp_path, kernel, multiple, exact, batch, tails):
     """What docs/PEERS.md reports, pinned: the contract's bits only from this project's layer;
     torch's int4 kernel refuses N that is no multiple of 16."""
-    spec = f"exactness.suite.peers:{kernel}"
+    spec = f"exactness.suite.peers.kernels:{kernel}"
     got = check(spec, Claim("exact"), examples=3, n_multiple=multiple, scales="qat",
                 directory=tmp_path, properties=("claim",))
     assert verdicts(got)["claim"] == exact
@@ -166,7 +166,7 @@ def test_the_peers_verdicts(tmp_path, kernel, multiple, exact, batch, tails):
 def test_a_file_of_the_projects_paths_replays_on_a_kernel(capsys):
     """repro FILE --kernel on a corpus file (no property of its own): its claim, exact."""
     file = str(Path(__file__).parent / "counterexamples" / "final-tie-and-subnormal-tie-bf16.json")
-    assert repro([file, "--kernel", "exactness.suite.peers:exact16"]) == 0
+    assert repro([file, "--kernel", "exactness.suite.peers.kernels:exact16"]) == 0
     assert repro([file, "--kernel", f"{PLANTED}:one_ulp_off"]) == 1
     assert "property 'claim'" in capsys.readouterr().out
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from exactness.suite.repro import replay
+from exactness.suite.gate.repro import replay
 
 CORPUS = sorted((Path(__file__).parent / "counterexamples").glob("*.json"))
 

@@ -20,8 +20,8 @@ from exactness.kernels import REGISTRY
 from exactness.suite.cases import load_vectors
 from exactness.suite.counterexamples import check_bits, write
 from exactness.suite.device import chosen, describe
+from exactness.suite.gate.repro import replay, where
 from exactness.suite.paths import held_act_bits, require, run
-from exactness.suite.repro import replay, where
 from exactness.suite.strategies import linear_cases, moe_cases, routed_cases
 from tests.test_moe import experts_of, inputs
 

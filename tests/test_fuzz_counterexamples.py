@@ -13,7 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exactness.suite import counterexamples, repro
+from exactness.suite import counterexamples
+from exactness.suite.gate import repro
 from exactness.suite.paths import run
 from exactness.suite.strategies import linear_cases, routed_cases
 

@@ -1,10 +1,10 @@
-"""The CI gate's choice of profile (exactness/suite/gate.py), in a repository of its own."""
+"""The CI gate's choice of profile (exactness/suite/gate/ci.py), in a repository of its own."""
 
 import subprocess
 
 import pytest
 
-from exactness.suite import gate
+from exactness.suite.gate import ci as gate
 
 
 def git(root, *args):
@@ -75,8 +75,8 @@ def test_files_edited_while_verify_ran_are_not_recorded(repo):
 def test_ci_runs_as_much_of_the_thorough_profile_as_its_time_holds(monkeypatch):
     """gate.thorough_examples: the ci verify's time scaled to the time left, with a margin, at
     most the full profile, and none where not even twice the ci profile fits."""
-    from exactness.suite import profiles
-    from exactness.suite.gate import thorough_examples
+    from exactness.suite.gate import profiles
+    from exactness.suite.gate.ci import thorough_examples
 
     assert thorough_examples(3600, 60) == 2000  # a fast machine: the full profile
     assert thorough_examples(3600, 600) == 240  # 60 * 3600 / (600 * 1.5)
@@ -91,7 +91,7 @@ def test_ci_runs_as_much_of_the_thorough_profile_as_its_time_holds(monkeypatch):
 
 
 def test_the_gate_command_prints_the_examples_or_fails_saying_why(capsys):
-    from exactness.suite.gate import main
+    from exactness.suite.gate.ci import main
 
     assert main(["--examples-for", "3600", "--ci-seconds", "600"]) == 0
     assert capsys.readouterr().out.strip() == "240"

@@ -18,7 +18,7 @@ from exactness.kimi import (
     KimiConversionError,
     convert_kimi_to_exact,
 )
-from exactness.suite.kimi_check import check_checkpoint
+from exactness.suite.peers.kimi_check import check_checkpoint
 from exactness.suite.reference import reference_linear
 from tests.hf_checkpoints import TINY, checkpoint_tensors, tiny_model, write
 from tests.test_kimi import MALFORMED_HEADERS, MALFORMED_JSON, rewrite_tensor, set_key

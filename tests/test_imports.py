@@ -96,13 +96,39 @@ def test_no_import_cycles():
     assert cycles(package_edges(graph())) == []
 
 
+# the suite's rooms (issue 69): each imports another only through its face, its __init__.py
+ROOMS = ("exactness.suite.gate", "exactness.suite.interpreter", "exactness.suite.mutants",
+         "exactness.suite.peers")
+
+
+def room_of(module: str) -> str | None:
+    return next((r for r in ROOMS if module == r or module.startswith(r + ".")), None)
+
+
+def past_a_face(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """Imports of a room's own modules from outside that room (the suite's top or another
+    room): each should name the room's face."""
+    return [(a, b) for a, targets in edges.items() for b in targets
+            if room_of(b) not in (None, b, room_of(a))]
+
+
+def test_the_suites_rooms_meet_only_through_their_faces():
+    edges = graph()
+    assert all(room in edges for room in ROOMS)  # each room is a package with a face
+    assert past_a_face(edges) == []
+
+
 def test_the_checks_can_fail():
-    """A planted edge from the product into the suite, and a planted cycle, are both seen."""
+    """A planted edge from the product into the suite, a planted cycle, and a planted reach
+    past a room's face are all seen."""
     planted = {**graph()}
     planted["exactness.modules"] = planted["exactness.modules"] | {"exactness.suite.reference"}
     assert any(not is_suite(a) and is_suite(b) for a, t in planted.items() for b in t)
     planted["exactness.formats"] = planted["exactness.formats"] | {"exactness.modules"}
     assert cycles(package_edges(planted))
+    planted["exactness.suite.gate.verify"] = planted["exactness.suite.gate.verify"] | {
+        "exactness.suite.mutants.run", "exactness.suite.gate.ci", "exactness.suite.mutants"}
+    assert past_a_face(planted) == [("exactness.suite.gate.verify", "exactness.suite.mutants.run")]
 
 
 # torch's own members the layers use: an int8 GEMM, a tensor's version counter, nn.Module's hooks
@@ -197,10 +223,14 @@ def unlisted(module) -> list[str]:
 
 
 def test_each_facade_lists_what_it_offers():
+    import importlib
+
     import exactness
     import exactness.kernels
 
     assert unlisted(exactness) == [] and unlisted(exactness.kernels) == []
+    for room in ROOMS:
+        assert unlisted(importlib.import_module(room)) == [], room
 
 
 def test_an_unlisted_name_is_seen():

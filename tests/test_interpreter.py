@@ -7,8 +7,9 @@ import resource
 import numpy as np
 import pytest
 
-from exactness.suite import device, interpreter
+from exactness.suite import device
 from exactness.suite.cases import load_vectors
+from exactness.suite.interpreter import speedups as interpreter
 from exactness.suite.paths import available_paths, run
 
 needs_interpreter = pytest.mark.skipif(device.chosen() != "interpret",

@@ -1,11 +1,14 @@
-"""An interpreted launch on the same inputs replays its writes (exactness.suite.interpreter_replay):
+"""An interpreted launch on the same inputs replays its writes (exactness.suite.interpreter.replay):
 the same bytes as a run where it was the same code on the same bytes, and a run everywhere else."""
 
 import numpy as np
 import pytest
 import torch
 
-from exactness.suite import device, interpreter_replay, interpreter_store, interpreter_tables
+from exactness.suite import device
+from exactness.suite.interpreter import replay as interpreter_replay
+from exactness.suite.interpreter import store as interpreter_store
+from exactness.suite.interpreter import tables as interpreter_tables
 
 pytestmark = pytest.mark.skipif(device.chosen() != "interpret",
                                 reason="the Triton kernels are not interpreted here")

@@ -1,4 +1,4 @@
-"""Interpreted launches kept on disk (exactness.suite.interpreter_store): recalled by the next
+"""Interpreted launches kept on disk (exactness.suite.interpreter.store): recalled by the next
 process where the code, the interpreter and the bytes read are the same, and run everywhere
 else. Each check that a launch ran again is shown to catch a name blind to what changed."""
 
@@ -11,7 +11,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from exactness.suite import device, interpreter_replay, interpreter_store
+from exactness.suite import device
+from exactness.suite.interpreter import replay as interpreter_replay
+from exactness.suite.interpreter import store as interpreter_store
 
 from . import test_interpreter_replay as kernels
 
@@ -30,7 +32,8 @@ def store(tmp_path, monkeypatch):
 
 _CHILD = """
 import json, sys
-from exactness.suite import device, interpreter_replay
+from exactness.suite import device
+from exactness.suite.interpreter import replay as interpreter_replay
 import tests.test_interpreter_replay as kernels
 a, b = kernels._inputs(11)
 same = kernels._launch(a, b, 7) == kernels._truth(a, b, 7)
@@ -207,7 +210,9 @@ _PROBE_CHILD = """
 import json, sys, types
 sys.path.insert(0, sys.argv[1])
 import torch
-from exactness.suite import device, interpreter_replay, interpreter_store
+from exactness.suite import device
+from exactness.suite.interpreter import replay as interpreter_replay
+from exactness.suite.interpreter import store as interpreter_store
 if sys.argv[2] == "blind":  # planted: code named without its files, no namespace walked
     interpreter_store._source = lambda module, path: ""
     interpreter_replay._namespace = lambda value: False

@@ -534,7 +534,7 @@ def test_cli_refuses_non_positive_tokens(tmp_path, capsys, tokens):
 def test_the_check_in_process_names_the_file_of_a_corrupted_tensor(tmp_path, capsys):
     """The CLI's check, in this process (mutmut sees no subprocess): a tensor its layer refuses
     fails the check, naming the tensor's file and projection."""
-    from exactness.suite.kimi_check import check_checkpoint
+    from exactness.suite.peers.kimi_check import check_checkpoint
 
     ckpt = corrupt(tmp_path, lambda c: rewrite_tensor(
         c, f"{NAME}.weight_scale", torch.full((32, 2), float("inf"), dtype=torch.bfloat16)))

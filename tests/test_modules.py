@@ -276,7 +276,7 @@ def test_no_compiler_or_cache_means_no_c_kernel_not_a_crash(tmp_path, monkeypatc
 def test_the_self_check_names_what_failed():
     """The verdict names the check and its input, not only that it failed."""
     skip_unless_here("vnni-limbs")
-    from exactness.suite.mutants import CATALOGUE, mutated_c_kernel
+    from exactness.suite.mutants.run import CATALOGUE, mutated_c_kernel
 
     verdict = vnni_check.self_check(mutated_c_kernel(next(
         m for m in CATALOGUE if m.name == "vnni-rounding-ties-up"), vnni_library.AVX512))
@@ -906,7 +906,7 @@ def test_the_vnni_self_check_passes_in_this_process(kernel):
 @pytest.mark.parametrize("kernel", ["vnni-limbs", "avx2-limbs"])
 def test_the_vnni_self_check_refuses_a_broken_layout(kernel):
     """Had the kernel's layout been wrong at start-up, the layer would not have trusted it."""
-    from exactness.suite.mutants import CATALOGUE, applied
+    from exactness.suite.mutants.run import CATALOGUE, applied
 
     skip_unless_here(kernel)
     build = registry.by_name(REGISTRY, kernel).build

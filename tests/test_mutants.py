@@ -6,7 +6,7 @@ import os
 import pytest
 
 from exactness.kernels.cpu import amx_library
-from exactness.suite.mutants import (
+from exactness.suite.mutants.run import (
     AMX_KERNEL,
     C_FILES,
     CATALOGUE,
@@ -20,8 +20,8 @@ from exactness.suite.mutants import (
     run_tests,
     runs_here,
 )
+from exactness.suite.mutants.targets import AVX2_KERNEL
 from exactness.suite.paths import require
-from exactness.suite.targets import AVX2_KERNEL
 
 pytestmark = pytest.mark.stage("mutants")  # make verify's stage
 
@@ -118,7 +118,7 @@ def test_every_target_is_found_from_its_object():
     names the object it came from, so a moved function cannot leave a mutant pointing at
     nothing."""
     from exactness import formats
-    from exactness.suite.mutants import _resolve, at
+    from exactness.suite.mutants.run import _resolve, at
 
     assert at(formats.unpack_weights) == "exactness.formats:unpack_weights"
     for mutant in CATALOGUE:
@@ -132,7 +132,7 @@ def test_every_target_is_found_from_its_object():
 def test_every_triaged_survivor_is_answered_by_an_argument():
     """docs/mutmut_triage.csv's rows each name one of MUTMUT.md's arguments, once a mutant; a
     row with a verdict no argument gives is reported (make mutmut then fails)."""
-    from exactness.suite.mutmut_score import arguments, triage, unanswered
+    from exactness.suite.mutants.mutmut_score import arguments, triage, unanswered
 
     rows = triage()
     assert len(rows) >= 200 and len({row["mutant"] for row in rows}) == len(rows)

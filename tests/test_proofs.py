@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from exactness import dataflow
 from exactness.contract import group_dot_bound
 from exactness.suite.counterexamples import read
-from exactness.suite.mutants import CATALOGUE, Mutant, applied, mutated_function
+from exactness.suite.mutants.run import CATALOGUE, Mutant, applied, mutated_function
 from exactness.suite.paths import run
 from exactness.suite.reference import combine_groups, group_dots, quantize_activations, split_scales
 from exactness.suite.strategies import (

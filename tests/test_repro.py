@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from exactness.contract import ExactnessError
-from exactness.suite import counterexamples, repro
+from exactness.suite import counterexamples
+from exactness.suite.gate import repro
 from tests.cli import main_here
 
 pytestmark = pytest.mark.stage("reliability")  # make verify's stage

@@ -7,7 +7,7 @@ import zlib
 
 import pytest
 
-from exactness.suite import verify
+from exactness.suite.gate import verify
 
 
 def session_outcome(monkeypatch, tmp_path, returncode: int, cases: list[tuple[str, bool | str]],
@@ -186,7 +186,7 @@ def test_the_suite_emulates_the_c_kernel_where_the_cpu_lacks_it(monkeypatch):
 ])
 def test_only_an_exact_thorough_run_of_every_stage_is_recorded_for_the_gate(
         monkeypatch, tmp_path, profile, stages, verdict, recorded, select):
-    from exactness.suite import gate
+    from exactness.suite.gate import ci as gate
 
     monkeypatch.setattr(verify, "REPORTS", tmp_path)
     monkeypatch.setattr(verify, "STAGES", [verify.Stage(
@@ -226,7 +226,7 @@ def test_two_shards_cover_what_one_run_covers():
     """verify --shard 1/2 and 2/2 together run every check of one run, each once: every stage
     that is no pytest session on exactly one shard, and each pytest stage's tests split
     between the two (collected as make verify's session collects them)."""
-    from exactness.suite.mutants import run_tests
+    from exactness.suite.mutants.run import run_tests
 
     for n in (2, 3):
         alone = [s for s in verify.STAGES if s.session is None]
@@ -255,7 +255,7 @@ def test_the_example_database_is_the_directory_ci_keeps_and_its_artifacts(monkey
         MultiplexedDatabase,
     )
 
-    from exactness.suite.profiles import example_database
+    from exactness.suite.gate.profiles import example_database
 
     monkeypatch.setenv("EXACTNESS_HYPOTHESIS_DB", str(tmp_path))
     monkeypatch.delenv("EXACTNESS_HYPOTHESIS_GITHUB", raising=False)
@@ -284,7 +284,7 @@ def test_a_repeating_profile_seeds_each_test_from_its_node_id(request, monkeypat
     import numpy as np
     import torch
 
-    from exactness.suite.profiles import SEEDED, seed_of_test
+    from exactness.suite.gate.profiles import SEEDED, seed_of_test
 
     setup = sys.modules["conftest"].pytest_runtest_setup
     monkeypatch.setenv("EXACTNESS_STAGE", os.environ.get("EXACTNESS_STAGE", "-"))

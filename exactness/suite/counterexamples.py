@@ -87,7 +87,7 @@ def to_document(case: LinearCase, *, path: str, expected=None, actual=None, sour
 def write(case: LinearCase, *, path: str, expected=None, actual=None, source: str = "user",
           note: str = "", directory: Path | str | None = None, extra: dict | None = None) -> Path:
     """Write the counterexample atomically; the file name is a hash of its input. `extra`:
-    further fields (a checked outside kernel's: exactness.suite.check)."""
+    further fields (a checked outside kernel's: exactness.suite.peers.properties)."""
     doc = to_document(case, path=path, expected=expected, actual=actual, source=source, note=note,
                       extra=extra)
     text = json.dumps(doc, indent=1)
@@ -123,7 +123,7 @@ def read(file: Path | str) -> tuple[LinearCase, dict]:
     _field(file, doc, "source", str)  # replay prints source and note
     _field(file, doc, "note", str, optional=True)
     path = _field(file, doc, "path", str)
-    if path == "kernel":  # an outside kernel's (exactness.suite.check): it names the kernel
+    if path == "kernel":  # an outside kernel's (exactness.suite.peers): it names the kernel
         _field(file, doc, "kernel", str)
         _field(file, doc, "property", str)
     elif path not in PATHS and not _SIMULATED.fullmatch(path):

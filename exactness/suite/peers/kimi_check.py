@@ -9,11 +9,11 @@ from pathlib import Path
 
 import torch
 
-from ..contract import ExactnessError
-from ..formats import float_bits, tensor_to_bits
-from ..kimi import KimiCheckpoint, KimiCheckpointError
-from ..modules import PackedInt4Linear
-from .reference import reference_linear
+from ...contract import ExactnessError
+from ...formats import float_bits, tensor_to_bits
+from ...kimi import KimiCheckpoint, KimiCheckpointError
+from ...modules import PackedInt4Linear
+from ..reference import reference_linear
 
 
 def positive_int(text: str) -> int:

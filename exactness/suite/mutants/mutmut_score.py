@@ -3,7 +3,7 @@ against the committed triage (docs/mutmut_triage.csv, each row answered by an ar
 docs/MUTMUT.md): a survivor the triage does not answer, by a test that now kills it or an
 argument that it is equivalent, fails the command.
 
-    python -m exactness.suite.mutmut_score   (after `mutmut run`)
+    python -m exactness.suite.mutants.mutmut_score   (after `mutmut run`)
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 TRIAGE = ROOT / "docs" / "mutmut_triage.csv"  # mutant, change, verdict
 ARGUMENTS = ROOT / "docs" / "MUTMUT.md"  # a verdict is one of its "- **name**" arguments
 REPORT = ROOT / "reports" / "mutmut.txt"

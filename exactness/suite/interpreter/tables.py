@@ -1,4 +1,4 @@
-"""Tables of addresses in the interpreter's replayed launches (exactness.suite.interpreter_replay).
+"""Tables of addresses in the interpreter's replayed launches (exactness.suite.interpreter.replay).
 
 The grouped kernels read their experts' weights through a table of addresses
 (exactness.kernels.triton.grouped.table), not through their arguments. Told what a table points
@@ -39,7 +39,7 @@ def pointed_by(tensor) -> list | None:
 def install() -> list:
     """The grouped kernels' table maker, telling points_at what each table points at:
     [(owner, name, the product's own)] to put back."""
-    from ..kernels.triton import grouped
+    from ...kernels.triton import grouped
 
     make = grouped.table
 

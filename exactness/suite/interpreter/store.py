@@ -1,5 +1,5 @@
 """Interpreted launches kept on disk, so that the next process replays them too: the suite's tenth
-speed-up of the Triton interpreter (exactness.suite.interpreter_replay consults it).
+speed-up of the Triton interpreter (exactness.suite.interpreter.replay consults it).
 
 A replayed launch (interpreter_replay) is a function of its code, its arguments and the bytes it
 read. In one process its code is named by identity. Here it is named by content, so that another
@@ -47,8 +47,7 @@ BUDGET_BYTES = 2 << 30  # the store's files, all together: pruned to 3/4 of it w
 _MAGIC = b"exactness-launch-2\n"
 _PRUNE_EVERY_S = 3600  # how often a process looks at the store's size
 LIBRARIES = ("triton", "numpy", "torch")  # the interpreter's: named by version and _environment
-_SUITE_FILES = ("interpreter.py", "interpreter_values.py", "interpreter_replay.py",
-                "interpreter_store.py", "interpreter_tables.py")
+_SUITE_FILES = ("__init__.py", "speedups.py", "values.py", "replay.py", "store.py", "tables.py")
 
 
 class Unnamed(Exception):
@@ -364,7 +363,7 @@ def default_store() -> Store:
     cache cannot be had."""
     if os.environ.get("EXACTNESS_LAUNCH_STORE", "on") == "off":
         return Store(None)
-    from ..kernels.toolchain import cache_dir
+    from ...kernels.toolchain import cache_dir
 
     cache, _ = cache_dir()
     return Store(None if cache is None else cache / "launches")

@@ -1,6 +1,6 @@
 """An interpreted launch on the same inputs as an earlier one replays its writes: the suite's
-ninth speed-up of the Triton interpreter (exactness.suite.interpreter installs it), and, through
-exactness.suite.interpreter_store, its tenth: the next process replays it too.
+ninth speed-up of the Triton interpreter (speedups.py installs it), and, through store.py, its
+tenth: the next process replays it too.
 
 The suite launches the same kernel on the same bytes again and again: each forward derives its
 weights' certificate anew (scales_kernel), two paths quantize the same activations, and the
@@ -40,7 +40,8 @@ import os
 import re
 import types
 
-from . import interpreter_store, interpreter_tables
+from . import store as interpreter_store
+from . import tables as interpreter_tables
 
 __all__ = ["BUDGET_BYTES", "install", "stats", "tally"]
 

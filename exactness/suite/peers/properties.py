@@ -16,19 +16,19 @@ from hypothesis import HealthCheck, Phase, given, settings, target
 from hypothesis import strategies as st
 from hypothesis.control import currently_in_test_context
 
-from ..contract import ACT_BITS, BFLOAT16, GROUP_SIZE, ExactnessError, FloatFormat, float_format
-from ..formats import bits_to_tensor, finite_mask, tensor_to_bits
-from . import counterexamples
-from .cases import LinearCase
-from .reference import reference_linear
-from .strategies import (
+from ...contract import ACT_BITS, BFLOAT16, GROUP_SIZE, ExactnessError, FloatFormat, float_format
+from ...formats import bits_to_tensor, finite_mask, tensor_to_bits
+from .. import counterexamples
+from ..cases import LinearCase
+from ..reference import reference_linear
+from ..strategies import (
     KIMI_SHAPES,
     SCALE_KINDS,
     activation_bits,
     packed_weights,
     scale_bits,
 )
-from .truth import true_product, ulp_errors
+from ..truth import true_product, ulp_errors
 
 CLAIMS = ("exact", "w4a16")
 NON_FINITE = ("nan", "refuse", "propagate")
@@ -106,27 +106,12 @@ def load_kernel(spec: str) -> Callable:
     return factory
 
 
-def cannot_run(spec: str) -> str | None:
-    """Why a registered kernel cannot run on this machine (no CPU feature, no Triton, no GPU), or
-    None: a kernel that cannot run is not refuted, nothing of it is checked."""
-    if ":" in spec:
-        return None  # an outside kernel says so by raising, and is refuted for it
-    import torch
-
-    from ..kernels import REGISTRY
-    from ..kernels.registry import by_name
-    from .paths import device_of
-
-    fit = by_name(REGISTRY, spec).available(torch.device(device_of(spec) or "cpu"))
-    return None if fit else fit.why
-
-
 def registered(name: str) -> Callable:
     """A factory of the layer with the registered kernel `name` forced: the project's kernels
     are checked as an outside one is."""
-    from ..kernels import REGISTRY
-    from ..kernels.registry import by_name
-    from .paths import device_of
+    from ...kernels import REGISTRY
+    from ...kernels.registry import by_name
+    from ..paths import device_of
 
     try:
         kernel = by_name(REGISTRY, name)
@@ -140,12 +125,14 @@ def registered(name: str) -> Callable:
                             backend="triton" if kernel.family == "triton" else "auto")
         return lambda x: layer(x.to(device)).cpu()
 
+    fit = kernel.available(torch.device(device_of(name) or "cpu"))
+    factory.cannot_run = None if fit else fit.why  # then nothing is checked: unknown, not refuted
     return factory
 
 
 def exact_layer(weight_packed, weight_scale, weight_shape, act_bits: int, **options):
     """An ExactLinear holding the checkpoint's three tensors (`options`: its keywords)."""
-    from ..modules import ExactLinear
+    from ...modules import ExactLinear
 
     n, k = (int(v) for v in weight_shape)
     layer = ExactLinear(k, n, act_bits, **options)
@@ -356,7 +343,7 @@ def check(kernel: str, claim: Claim | None = None, *, examples: int = 30, kimi: 
     fmt = float_format(x_format)
     factory = load_kernel(kernel)
     report = Report(kernel, claim)
-    why = cannot_run(kernel)
+    why = getattr(factory, "cannot_run", None)  # a registered kernel's, on this machine
     if why is not None:
         report.verdicts += [Verdict(prop, "unknown", 0, f"it cannot run here: {why}")
                             for prop in properties]

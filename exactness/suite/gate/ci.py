@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository
+ROOT = Path(__file__).resolve().parents[3]  # the repository
 WATCHED = ("exactness/kernels", "exactness/dataflow.py", "exactness/formats.py",
            "exactness/quantize.py", "exactness/modules.py", "exactness/suite/reference.py",
            "proofs")

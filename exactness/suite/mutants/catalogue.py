@@ -1,5 +1,5 @@
 """The catalogue of planted bugs, one Mutant an entry: the data the runner
-(exactness.suite.mutants) plants and judges. Here the arithmetic's bugs (packing, scales,
+(exactness.suite.mutants.run) plants and judges. Here the arithmetic's bugs (packing, scales,
 accumulators, rounding, quantization), the Triton kernels' and the layer's as serving stacks
 drive it; catalogue_c_and_moe.py holds the C kernels', the loader's and the grouped MoE's.
 
@@ -10,16 +10,16 @@ verify's mutants stage runs.
 
 from __future__ import annotations
 
-from .. import dataflow, formats, modules, moe, ops
-from ..kernels import wide
-from ..kernels.cpu import activations, gemm, vnni_layout
-from ..kernels.triton import folded as triton_folded
-from ..kernels.triton import group as triton_group
-from ..kernels.triton import integers as triton_integers
-from ..kernels.triton import layer as triton_layer
-from ..kernels.triton import quantize as triton_quantize
-from ..kernels.triton import scales as triton_scales
-from ..kernels.triton import wide as triton_wide
+from ... import dataflow, formats, modules, moe, ops
+from ...kernels import wide
+from ...kernels.cpu import activations, gemm, vnni_layout
+from ...kernels.triton import folded as triton_folded
+from ...kernels.triton import group as triton_group
+from ...kernels.triton import integers as triton_integers
+from ...kernels.triton import layer as triton_layer
+from ...kernels.triton import quantize as triton_quantize
+from ...kernels.triton import scales as triton_scales
+from ...kernels.triton import wide as triton_wide
 from .catalogue_c_and_moe import C_AND_MOE
 from .targets import (
     ACT32_KERNELS,

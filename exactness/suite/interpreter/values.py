@@ -1,5 +1,5 @@
 """The values the Triton interpreter builds at each operation, built once and shared: three of
-the suite's speed-ups (exactness.suite.interpreter installs them), its arithmetic untouched.
+the suite's speed-ups (speedups.py installs them), its arithmetic untouched.
 
 - **Types built once.** Each interpreted operation builds its result's types anew: a block type
   (its shape validated, its name formatted), a tensor's shape as a tuple of constexprs, and the

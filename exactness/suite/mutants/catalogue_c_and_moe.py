@@ -1,12 +1,12 @@
-"""The catalogue's second half (exactness.suite.catalogue): the C kernels' bugs (cpu_vnni.c,
+"""The catalogue's second half (exactness.suite.mutants.catalogue): the C kernels' bugs (cpu_vnni.c,
 the span kernel, cpu_amx.c), inputs the suite did not generate, the streamed loader's, and the
 grouped MoE kernels'."""
 
 from __future__ import annotations
 
-from .. import formats, kimi, moe, quantize
-from ..kernels.cpu import gemm, vnni_layout
-from ..kernels.triton import grouped as triton_grouped
+from ... import formats, kimi, moe, quantize
+from ...kernels.cpu import gemm, vnni_layout
+from ...kernels.triton import grouped as triton_grouped
 from .targets import (
     ACT32_KERNELS,
     AMX,

@@ -9,7 +9,7 @@ Each factory takes the checkpoint's three tensors and returns x -> y, as check.p
   dequantized weight is (nibble - 8) * scale = q * scale). It takes N a multiple of 16 only;
 - this project's layers: `exact16` and `exact32` (ExactLinear at 16 and 32 activation bits).
 
-`python -m exactness.suite.peers` checks each under both claims and times it against bf16 at
+`python -m exactness.suite.peers.kernels` checks each under both claims and times it against bf16 at
 Kimi's shapes: the table of docs/PEERS.md.
 """
 
@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from ..contract import GROUP_SIZE
+from ...contract import GROUP_SIZE
 
 TORCH_INT4_N_MULTIPLE = 16  # _convert_weight_to_int4pack_for_cpu: "expect N to be dividable by 16"
 
@@ -39,7 +39,7 @@ def compressed_tensors_bf16(weight_packed, weight_scale, weight_shape):
 
 
 def torch_int4_cpu(weight_packed, weight_scale, weight_shape):
-    from ..formats import unpack_weights
+    from ...formats import unpack_weights
 
     n, k = (int(v) for v in weight_shape)
     q = torch.from_numpy(unpack_weights(weight_packed.numpy(), 4, k))
@@ -52,7 +52,7 @@ def torch_int4_cpu(weight_packed, weight_scale, weight_shape):
 
 def _exact(default_act_bits: int):
     def factory(weight_packed, weight_scale, weight_shape, act_bits: int = default_act_bits):
-        from .check import exact_layer
+        from .properties import exact_layer
 
         return exact_layer(weight_packed, weight_scale, weight_shape, act_bits)
 
@@ -62,12 +62,12 @@ def _exact(default_act_bits: int):
 exact16, exact32 = _exact(16), _exact(32)
 
 PEERS = {  # name -> (KERNEL, its tile's N multiple, what it states it does with inf and NaN)
-    "compressed-tensors + bf16 matmul": ("exactness.suite.peers:compressed_tensors_bf16", 1,
+    "compressed-tensors + bf16 matmul": ("exactness.suite.peers.kernels:compressed_tensors_bf16", 1,
                                          "propagate"),
-    "torch int4 CPU kernel": ("exactness.suite.peers:torch_int4_cpu", TORCH_INT4_N_MULTIPLE,
+    "torch int4 CPU kernel": ("exactness.suite.peers.kernels:torch_int4_cpu", TORCH_INT4_N_MULTIPLE,
                               "propagate"),
-    "exactness, 16-bit activations": ("exactness.suite.peers:exact16", 1, "nan"),
-    "exactness, 32-bit activations": ("exactness.suite.peers:exact32", 1, "nan"),
+    "exactness, 16-bit activations": ("exactness.suite.peers.kernels:exact16", 1, "nan"),
+    "exactness, 32-bit activations": ("exactness.suite.peers.kernels:exact32", 1, "nan"),
 }
 
 
@@ -75,9 +75,9 @@ def timing(kernel: str, ms=(1, 16, 128), shapes=((7168, 2048), (2048, 7168)), re
            ) -> dict[int, float]:
     """The kernel's time over bf16's (dequantized weights, torch's bf16 matmul) at Kimi's shapes:
     per M, the median over shapes and interleaved repeats of the per-call ratio."""
-    from ..formats import pack_weights
-    from .check import load_kernel
-    from .precision import dequantize
+    from ...formats import pack_weights
+    from ..precision import dequantize
+    from .properties import load_kernel
 
     factory = load_kernel(kernel)
     g = torch.Generator().manual_seed(0)
@@ -104,9 +104,9 @@ def timing(kernel: str, ms=(1, 16, 128), shapes=((7168, 2048), (2048, 7168)), re
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .check import Claim, check
+    from .properties import Claim, check
 
-    parser = argparse.ArgumentParser(prog="python -m exactness.suite.peers")
+    parser = argparse.ArgumentParser(prog="python -m exactness.suite.peers.kernels")
     parser.add_argument("--examples", type=int, default=20)
     parser.add_argument("--no-timing", action="store_true")
     args = parser.parse_args(argv)

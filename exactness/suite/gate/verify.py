@@ -22,10 +22,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import device, gate
+from .. import device
+from . import ci
 from .profiles import SMOKE_EXAMPLES
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository
+ROOT = Path(__file__).resolve().parents[3]  # the repository
 UNKNOWN_EXIT = 3  # nothing failed, but some stage is unknown: not exact, and not refuted
 REPORTS = Path(os.environ.get("EXACTNESS_REPORTS") or ROOT / "reports")  # the script's: its logs
 
@@ -153,7 +154,7 @@ def proofs_stage(profile: str) -> StageResult:
 
 
 def corpus_stage(profile: str) -> StageResult:
-    from .counterexamples import CounterexampleFileError
+    from ..counterexamples import CounterexampleFileError
     from .repro import replay
 
     files = sorted((ROOT / "tests" / "counterexamples").glob("*.json"))
@@ -271,12 +272,12 @@ def run(profile: str = "ci", stages: list[str] | None = None,
     `select` only the pytest checks pytest's -k picks) in the Hypothesis `profile` (ci,
     thorough or smoke), the table, the reports: 0 iff exact, 1 where a stage failed,
     UNKNOWN_EXIT where none failed but one is unknown."""
-    from .mutants import from_env
+    from ..mutants import from_env
     from .profiles import THOROUGH_EXAMPLES, thorough_examples
 
     thorough = profile == "thorough"
     examples = thorough_examples()
-    shown = profile  # a thorough run at what CI's time held (.ci/run, gate.py) says so
+    shown = profile  # a thorough run at what CI's time held (.ci/run, gate/ci.py) says so
     if thorough and examples < THOROUGH_EXAMPLES:
         shown = f"thorough at {examples} of {THOROUGH_EXAMPLES} examples per property"
     chosen = [s for s in STAGES if (not stages or s.name in stages)
@@ -286,7 +287,7 @@ def run(profile: str = "ci", stages: list[str] | None = None,
           f"{f', planted mutant: {mutant.name}' if mutant else ''}"
           f"{f', shard {shard[0]}/{shard[1]}' if shard else ''}"
           f"{f', only the checks -k {select!r} picks' if select else ''})", flush=True)
-    from .paths import emulate_the_c_kernel_where_missing
+    from ..paths import emulate_the_c_kernel_where_missing
 
     c_kernel = emulate_the_c_kernel_where_missing()
     print(f"  checking {c_kernel}", flush=True)
@@ -295,7 +296,7 @@ def run(profile: str = "ci", stages: list[str] | None = None,
     print(f"  Triton kernels: {ran_on['device'] or 'nowhere'}{gpu}, Triton {ran_on['triton']}",
           flush=True)
     REPORTS.mkdir(parents=True, exist_ok=True)
-    verifying = gate.watched_digest() if thorough else None  # the files this run vouches for
+    verifying = ci.watched_digest() if thorough else None  # the files this run vouches for
     results = []
     done: dict[str, StageResult] = {}  # stages a pytest session ran with an earlier one
     launches = {"run": 0, "replayed": 0, "recalled": 0}  # interpreted Triton launches
@@ -353,7 +354,7 @@ def run(profile: str = "ci", stages: list[str] | None = None,
     # a shard, a subset or fewer examples vouch for part of the thorough profile only
     if ok and thorough and not stages and not mutant and not shard and not select and \
             examples == THOROUGH_EXAMPLES:
-        gate.record_thorough_verdict(verifying, report["seconds"])
+        ci.record_thorough_verdict(verifying, report["seconds"])
     name = f"verify-shard-{shard[0]}-of-{shard[1]}" if shard else "verify"
     (REPORTS / f"{name}.json").write_text(json.dumps(report, indent=2))
     (REPORTS / f"{name}-junit.xml").write_text(_junit(results))

@@ -1,17 +1,17 @@
 """Where the catalogue plants its bugs and the tests that must catch them: the Mutant record,
 targets named from the objects themselves (at, triton_at; source for a C kernel), and the
-killers' pytest node ids the entries share (exactness.suite.catalogue)."""
+killers' pytest node ids the entries share (exactness.suite.mutants.catalogue)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..kernels.cpu import amx_library, vnni_calls, vnni_layout, vnni_library
-from ..kernels.triton import group as triton_group
-from ..kernels.triton import grouped as triton_grouped
+from ...kernels.cpu import amx_library, vnni_calls, vnni_layout, vnni_library
+from ...kernels.triton import group as triton_group
+from ...kernels.triton import grouped as triton_grouped
 
-ROOT = Path(__file__).resolve().parents[2]  # the repository: killers are its tests' node ids
+ROOT = Path(__file__).resolve().parents[3]  # the repository: killers are its tests' node ids
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .cases import LinearCase
-from .check import (
+from ..cases import LinearCase
+from .properties import (
     CLAIMS,
     PROPERTIES,
     SCALE_KINDS,

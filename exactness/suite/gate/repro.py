@@ -15,13 +15,13 @@ from fractions import Fraction
 
 import numpy as np
 
-from ..contract import BFLOAT16, GROUP_SIZE, FloatFormat
-from ..formats import decode, is_finite
-from .cases import LinearCase
-from .counterexamples import CounterexampleFileError, _count, read
-from .device import DEVICES, describe, require, restart_on
-from .paths import available_paths, grouped_paths, run
-from .reference import quantize_activations
+from ...contract import BFLOAT16, GROUP_SIZE, FloatFormat
+from ...formats import decode, is_finite
+from ..cases import LinearCase
+from ..counterexamples import CounterexampleFileError, _count, read
+from ..device import DEVICES, describe, require, restart_on
+from ..paths import available_paths, grouped_paths, run
+from ..reference import quantize_activations
 
 
 def describe_bits(bits: int, fmt: FloatFormat) -> str:
@@ -129,7 +129,7 @@ def where(device: dict | None) -> str:
 def replay_kernel(file: str, case: LinearCase, doc: dict, kernel: str | None, out) -> int:
     """A `python -m exactness check` counterexample against `kernel` (default: the file's): 1
     while its property still fails, 0 once it holds."""
-    from .check_command import replay as replay_property
+    from ..peers import replay as replay_property
 
     kernel = kernel or doc.get("kernel")
     m, k, n = case.shape

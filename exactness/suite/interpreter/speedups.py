@@ -27,11 +27,11 @@
   partial sum stays below 2**53 (int8 operands up to K = 2**39) runs as a float64 matmul,
   exact, then wraps into the accumulator's type as the integer loop does (modulo 2**bits).
 - **Types built once, operands shaped once, operand types checked once**: the values each
-  operation builds, shared (exactness.suite.interpreter_values).
+  operation builds, shared (exactness.suite.interpreter.values).
 - **A launch on the same inputs replays its writes**: the same code on the same bytes it read
-  writes the same bytes (exactness.suite.interpreter_replay).
+  writes the same bytes (exactness.suite.interpreter.replay).
 - **And so does one in the next process**: launches are kept on disk, named by content
-  (exactness.suite.interpreter_store), so a warm `make verify` interprets what changed.
+  (exactness.suite.interpreter.store), so a warm `make verify` interprets what changed.
 
 `install()` applies all ten in this process (the suite's device module calls it where the Triton
 kernels are interpreted). tests/test_interpreter.py checks that the outputs are the same with
@@ -44,8 +44,8 @@ import dataclasses
 import functools
 import warnings
 
-from . import interpreter_replay
-from .interpreter_values import share_checks, share_operands, share_types
+from . import replay as interpreter_replay
+from .values import share_checks, share_operands, share_types
 
 __all__ = ["WIDE_FRAME_SLOTS", "float64_dot_is_exact", "install", "installed", "uninstall",
            "wide_frame_runner"]

@@ -20,8 +20,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..kernels.cpu import amx_library, vnni_library
-from ..kernels.cpu.vnni import SPANS
+from ...kernels.cpu import amx_library, vnni_library
+from ...kernels.cpu.vnni import SPANS
 from .catalogue import CATALOGUE
 from .targets import (  # noqa: F401  (at and triton_at: importable from here, as before)
     AMX_KERNEL,
@@ -294,8 +294,8 @@ def hunt(mutant: Mutant, directory: Path) -> Outcome:
     first = files[0].stat().st_mtime - began if files and verdict.killed_by else None
     kept, size, clean = None, None, None
     if files:  # Hypothesis replays the shrunk example last: the newest file is the minimal one
-        from .counterexamples import read
-        from .repro import replay
+        from ..counterexamples import read
+        from ..gate import replay
 
         kept = directory.parent / f"{mutant.name}.json"
         shutil.copy(files[-1], kept)
@@ -327,9 +327,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="reports/mutants")
     args = parser.parse_args(argv)
     os.environ.setdefault("HYPOTHESIS_PROFILE", "ci")
-    from . import profiles
+    from ..gate import load_profiles
 
-    profiles.load()
+    load_profiles()
 
     out = Path(args.out)
     outcomes = []
