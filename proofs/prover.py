@@ -31,6 +31,8 @@ from exactness.formats import pack_weights, round_scaled
 from exactness.suite.cases import LinearCase
 
 from . import obligations as ob
+from .rounding import ROUNDING_FORMATS, rounding, rounding_normal
+from .terms import Obligation, const, product
 
 CACHE = Path(".proof-cache/verdicts.json")
 RECORDED = Path(__file__).with_name("verdicts.json")
@@ -71,7 +73,7 @@ def _cache() -> dict:
     return {**_recorded(), **_read(CACHE)}
 
 
-def query_of(o: ob.Obligation) -> tuple[z3.BoolRef, dict]:
+def query_of(o: Obligation) -> tuple[z3.BoolRef, dict]:
     """The claim's negation under its preconditions (a model of it is a counterexample), and
     the obligation's named variables."""
     pre, post, names = o.build()
@@ -89,7 +91,7 @@ def unrecorded() -> list[str]:
             if query_key(query_of(o)[0]) not in recorded]
 
 
-def prove(o: ob.Obligation, timeout_s: float = 60.0, cache: dict | None = None) -> Verdict:
+def prove(o: Obligation, timeout_s: float = 60.0, cache: dict | None = None) -> Verdict:
     start = time.perf_counter()
     query, names = query_of(o)
     key = query_key(query)
@@ -134,7 +136,7 @@ def _remember(verdicts: list[Verdict]) -> None:
         os.replace(partial, CACHE)
 
 
-def prove_once(o: ob.Obligation, timeout_s: float = 60.0) -> Verdict:
+def prove_once(o: Obligation, timeout_s: float = 60.0) -> Verdict:
     """prove(o) through the checkout's cache: Z3 runs for a query it has not answered here."""
     v = prove(o, timeout_s, cache=_cache())
     _remember([v])
@@ -164,11 +166,11 @@ def _signed(value) -> int:
     return v - (1 << bits) if v >> (bits - 1) else v
 
 
-def _attained(o: ob.Obligation) -> bool:
+def _attained(o: Obligation) -> bool:
     pre, _, names = o.build()
     a, w = names["a"], names["w"]
     s = z3.Solver()
-    s.add(pre, ob.product(a, w) == ob.const(o.extra["attained"]))
+    s.add(pre, product(a, w) == const(o.extra["attained"]))
     return s.check() == z3.sat
 
 
@@ -220,7 +222,7 @@ def realize(v: Verdict, dot_bits: int, combine_bits: int) -> str | None:
 # --------------------------------------------------------------------------- the catalogue
 
 
-def catalogue(args) -> list[ob.Obligation]:
+def catalogue(args) -> list[Obligation]:
     configs = [(w, a, k) for w in (args.w_bits or (4, 8)) for a in (args.a_bits or ACT_BITS)
                for k in (args.k or KIMI_K)]
     seen, out = set(), []
@@ -231,8 +233,8 @@ def catalogue(args) -> list[ob.Obligation]:
                 seen.add(key)
                 out.append(o)
     if not args.no_rounding:
-        out += [ob.rounding(f) for f in ob.ROUNDING_FORMATS]
-        out += [ob.rounding_normal(f) for f in ob.ROUNDING_FORMATS]
+        out += [rounding(f) for f in ROUNDING_FORMATS]
+        out += [rounding_normal(f) for f in ROUNDING_FORMATS]
     return [o for o in out if o.name.startswith(tuple(args.only))] if args.only else out
 
 

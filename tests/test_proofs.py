@@ -11,7 +11,7 @@ from hypothesis import given, target
 from hypothesis import strategies as st
 
 from exactness import dataflow
-from exactness.contract import group_dot_bound
+from exactness.contract import BFLOAT16, FLOAT32, group_dot_bound
 from exactness.suite.counterexamples import read
 from exactness.suite.mutants.run import CATALOGUE, Mutant, applied, mutated_function
 from exactness.suite.paths import run
@@ -23,8 +23,18 @@ from exactness.suite.strategies import (
     int_weights,
     scale_bits,
 )
+from proofs import (
+    activations,
+    combine,
+    dots,
+    dots_amx,
+    dots_avx2,
+    dots_spans,
+    gemms,
+    prover,
+    rounding,
+)
 from proofs import obligations as ob
-from proofs import prover
 from proofs.prover import extreme_case, main, prove, prove_once
 
 pytestmark = pytest.mark.stage("reference")  # make verify's stage
@@ -57,7 +67,7 @@ def test_every_obligation_has_a_recorded_proof():
 
 
 def test_recorded_proofs_are_used_and_only_proofs(capsys, monkeypatch, tmp_path):
-    o = ob.limb_split(16)
+    o = activations.limb_split(16)
     key = prover.query_key(prover.query_of(o)[0])
     monkeypatch.setattr(prover, "CACHE", tmp_path / "cache.json")
     for recorded, cached in (("proved", True), ("refuted", False)):
@@ -91,35 +101,35 @@ def test_only_an_obligation_of_the_catalogue_is_asked_for(capsys):
 
 
 def test_changing_a_width_in_the_description_changes_the_verdict(monkeypatch):
-    assert prove(ob.cpu_int_mm(7168, dataflow.DOT_ACC_BITS)).verdict == "proved"
+    assert prove(gemms.cpu_int_mm(7168, dataflow.DOT_ACC_BITS)).verdict == "proved"
     monkeypatch.setattr(dataflow, "DOT_ACC_BITS", 16)
-    assert prove(ob.cpu_int_mm(7168, dataflow.DOT_ACC_BITS)).verdict == "refuted"
+    assert prove(gemms.cpu_int_mm(7168, dataflow.DOT_ACC_BITS)).verdict == "refuted"
     monkeypatch.setattr(dataflow, "COMBINE_ACC_BITS", 32)
-    combine = [o for o in ob.for_config(4, 16, 7168, spread=0) if o.name.startswith("combine")]
-    assert prove(combine[0]).verdict == "refuted"
+    combines = [o for o in ob.for_config(4, 16, 7168, spread=0) if o.name.startswith("combine")]
+    assert prove(combines[0]).verdict == "refuted"
 
 
 def test_spread_past_the_limit_is_refuted():
     limit = dataflow.max_safe_spread(18432, 8, 16)
-    assert prove_once(ob.combine(8, 16, 18432, 64, limit)).verdict == "proved"
-    assert prove_once(ob.combine(8, 16, 18432, 64, limit + 1)).verdict == "refuted"
+    assert prove_once(combine.combine(8, 16, 18432, 64, limit)).verdict == "proved"
+    assert prove_once(combine.combine(8, 16, 18432, 64, limit + 1)).verdict == "refuted"
 
 
 def test_an_unshifted_chain_past_its_bound_is_refuted(monkeypatch):
-    assert prove(ob.span_unshifted(16, dataflow.DOT_ACC_BITS)).verdict == "proved"
+    assert prove(dots_spans.span_unshifted(16, dataflow.DOT_ACC_BITS)).verdict == "proved"
     limit = dataflow.span_size_limit(16)
     monkeypatch.setattr(dataflow, "span_size_limit", lambda act_bits=16: 2 * limit)
-    assert prove(ob.span_unshifted(16, dataflow.DOT_ACC_BITS)).verdict == "refuted"
+    assert prove(dots_spans.span_unshifted(16, dataflow.DOT_ACC_BITS)).verdict == "refuted"
 
 
 def test_an_amx_span_summing_past_int32_is_refuted(monkeypatch):
     """A span's tile dots sum at most 1024 groups of u8 x u8 products (255 * 255 each); 1032
     would stay under 2**31, 1033 would pass it, and the proof says so."""
-    assert prove_once(ob.amx_span_dot(dataflow.DOT_ACC_BITS)).verdict == "proved"
+    assert prove_once(dots_amx.amx_span_dot(dataflow.DOT_ACC_BITS)).verdict == "proved"
     monkeypatch.setattr(dataflow, "AMX_SPAN_GROUPS", 1032)
-    assert prove_once(ob.amx_span_dot(dataflow.DOT_ACC_BITS)).verdict == "proved"
+    assert prove_once(dots_amx.amx_span_dot(dataflow.DOT_ACC_BITS)).verdict == "proved"
     monkeypatch.setattr(dataflow, "AMX_SPAN_GROUPS", 1033)
-    assert prove_once(ob.amx_span_dot(dataflow.DOT_ACC_BITS)).verdict == "refuted"
+    assert prove_once(dots_amx.amx_span_dot(dataflow.DOT_ACC_BITS)).verdict == "refuted"
 
 
 def test_an_amx_fold_past_s16_and_a_combine_past_int64_are_refuted(monkeypatch):
@@ -128,17 +138,17 @@ def test_an_amx_fold_past_s16_and_a_combine_past_int64_are_refuted(monkeypatch):
     (dataflow.amx_holds)."""
     limit = dataflow.span_fold_limit(4)
     monkeypatch.setattr(dataflow, "span_fold_limit", lambda w_bits=4: limit + 1)
-    assert prove(ob.amx_span_digits(4)).verdict == "refuted"
+    assert prove(dots_amx.amx_span_digits(4)).verdict == "refuted"
     monkeypatch.undo()
     k = 2**25  # (32767 + 32768) * 2**25 * 8 * 255 << 12 > 2**63
     assert not dataflow.amx_holds(k, 4, 16, 12) and dataflow.amx_holds(k // 2, 4, 16, 12)
-    assert prove(ob.amx_span_combine(4, 16, k, 12)).verdict == "refuted"
+    assert prove(dots_amx.amx_span_combine(4, 16, k, 12)).verdict == "refuted"
 
 
 def test_rounding_proof_refutes_a_planted_rounding_bug():
     sticky = next(m for m in CATALOGUE if m.name == "sticky-bit-ignored")
     with applied(sticky):
-        assert prove_once(ob.rounding(ob.BFLOAT16), timeout_s=120).verdict == "refuted"
+        assert prove_once(rounding.rounding(BFLOAT16), timeout_s=120).verdict == "refuted"
 
 
 @pytest.mark.parametrize(("old", "new"), [
@@ -148,10 +158,10 @@ def test_rounding_proof_refutes_a_planted_rounding_bug():
 def test_the_fast_rounding_proof_refutes_a_planted_bug(old, new):
     """rounding-normal is a transcription of cpu_vnni.c's round8_normal: a transcription with
     either bug the C mutants plant (vnni-normal-rounding-*) must not prove."""
-    assert prove_once(ob.rounding_normal(ob.BFLOAT16)).verdict == "proved"
-    planted = Mutant("planted", "proofs.obligations:rounding_normal", old, new, "", ())
+    assert prove_once(rounding.rounding_normal(BFLOAT16)).verdict == "proved"
+    planted = Mutant("planted", "proofs.rounding:rounding_normal", old, new, "", ())
     _, mutated = mutated_function(planted)
-    verdict = prove_once(mutated(ob.BFLOAT16), timeout_s=120)  # the query's text names the bug
+    verdict = prove_once(mutated(BFLOAT16), timeout_s=120)  # the query's text names the bug
     assert verdict.verdict == "refuted" and verdict.model
 
 
@@ -172,12 +182,12 @@ def test_real_group_dots_never_exceed_the_proved_bound(w_bits, a_bits, fmt, data
 def test_real_combine_never_exceeds_the_proved_bound(w_bits, a_bits, data):
     k = 128
     q = data.draw(int_weights(3, k, w_bits))
-    x = data.draw(activation_bits(1, k, ob.FLOAT32, a_bits, kind="extreme"))
+    x = data.draw(activation_bits(1, k, FLOAT32, a_bits, kind="extreme"))
     s = data.draw(scale_bits(3, k // 32, kind="spread"))
     ms, shift, emin, spread = split_scales(s)
     limit = dataflow.max_safe_spread(k, w_bits, a_bits)
     ok = spread <= limit
-    qa, _ = quantize_activations(x, ob.FLOAT32, a_bits)
+    qa, _ = quantize_activations(x, FLOAT32, a_bits)
     t = combine_groups(group_dots(qa[0], q.reshape(3, -1, 32))[ok], ms[ok],
                        shift[ok])
     ratios = [abs(int(t_n)) / dataflow.combine_bound(k, w_bits, a_bits, int(d))
@@ -210,8 +220,8 @@ def test_simulated_dataflow_at_the_real_widths_equals_the_reference(data):
 def test_the_int8_gemms_are_sliced_where_all_of_k_would_wrap():
     """All of K = 2**17 in one int32 sum is refuted; the CPU fallback's slices are proved, and
     they are what a layer of that K is proved against (issue 20: it wrapped there)."""
-    assert prove(ob.cpu_int_mm(2**17, dataflow.DOT_ACC_BITS), cache={}).verdict == "refuted"
-    assert prove(ob.cpu_int_mm(dataflow.INT_MM_CHUNK, dataflow.DOT_ACC_BITS),
+    assert prove(gemms.cpu_int_mm(2**17, dataflow.DOT_ACC_BITS), cache={}).verdict == "refuted"
+    assert prove(gemms.cpu_int_mm(dataflow.INT_MM_CHUNK, dataflow.DOT_ACC_BITS),
                  cache={}).verdict == "proved"
     names = {o.name for o in ob.for_config(4, 16, 2**17)}
     assert f"cpu-int-mm-k{dataflow.INT_MM_CHUNK}" in names
@@ -328,7 +338,7 @@ def test_activation_limbs_recombine_at_every_width(act_bits):
 
 @pytest.mark.parametrize("act_bits", [4, 8, 16, 32])
 def test_the_limb_split_is_proved_at_every_width(act_bits):
-    assert prove(ob.limb_split(act_bits)).verdict == "proved"
+    assert prove(activations.limb_split(act_bits)).verdict == "proved"
 
 
 def test_a_32_bit_group_sum_in_int32_is_refuted():
@@ -336,8 +346,8 @@ def test_a_32_bit_group_sum_in_int32_is_refuted():
     wrong width is refuted), and so would the int8 kernels' dot width."""
     assert dataflow.group_sum_bits(4, 32) == 64 and dataflow.group_sum_bits(4, 16) == 32
     with mock.patch.object(dataflow, "group_sum_bits", lambda w, a: 32):
-        assert prove(ob.wide_group_sum(4, 32)).verdict == "refuted"
-    assert prove(ob.wide_group_sum(4, 32)).verdict == "proved"
+        assert prove(combine.wide_group_sum(4, 32)).verdict == "refuted"
+    assert prove(combine.wide_group_sum(4, 32)).verdict == "proved"
 
 
 def test_the_avx2_dots_are_proved_and_refuted_past_their_widths(monkeypatch):
@@ -346,22 +356,23 @@ def test_the_avx2_dots_are_proved_and_refuted_past_their_widths(monkeypatch):
     in int32 and the offset taken off on the activations' side are proved, and refuted where
     the group were 1024 k of 8-bit fields (a width the combine, not int32, could hold)."""
     for a_bits in (4, 8, 16, 32):
-        assert prove_once(ob.avx2_nibble_pairs(a_bits)).verdict == "proved"
-        assert prove_once(ob.avx2_byte_words(a_bits)).verdict == "proved"
-        for half in ob.avx2_halves(a_bits):
+        assert prove_once(dots_avx2.avx2_nibble_pairs(a_bits)).verdict == "proved"
+        assert prove_once(dots_avx2.avx2_byte_words(a_bits)).verdict == "proved"
+        for half in dots_avx2.avx2_halves(a_bits):
             for w_bits in (4, 8):
-                assert prove_once(ob.avx2_group_sum(w_bits, a_bits, half)).verdict == "proved"
-                assert prove_once(ob.avx2_offset(w_bits, a_bits, half)).verdict == "proved"
-    assert prove(ob.avx2_nibble_pairs(16, field_max=255), cache={}).verdict == "refuted"
+                group_sum = dots_avx2.avx2_group_sum(w_bits, a_bits, half)
+                assert prove_once(group_sum).verdict == "proved"
+                assert prove_once(dots_avx2.avx2_offset(w_bits, a_bits, half)).verdict == "proved"
+    assert prove(dots_avx2.avx2_nibble_pairs(16, field_max=255), cache={}).verdict == "refuted"
     with monkeypatch.context() as patch:  # a group of 2**10 k
-        patch.setattr(ob, "GROUP_SIZE", 1024)
-        assert prove(ob.avx2_group_sum(8, 32, (0, 1)), cache={}).verdict == "refuted"
+        patch.setattr(dots_avx2, "GROUP_SIZE", 1024)
+        assert prove(dots_avx2.avx2_group_sum(8, 32, (0, 1)), cache={}).verdict == "refuted"
 
 
 def test_the_int64_matmul_is_refuted_one_step_past_the_certified_spread():
     limit = dataflow.certified_spread(18432, 4, 32)
-    assert prove_once(ob.cpu_int64_matmul(4, 32, 18432, limit)).verdict == "proved"
-    assert prove_once(ob.cpu_int64_matmul(4, 32, 18432, limit + 3)).verdict == "refuted"
+    assert prove_once(gemms.cpu_int64_matmul(4, 32, 18432, limit)).verdict == "proved"
+    assert prove_once(gemms.cpu_int64_matmul(4, 32, 18432, limit + 3)).verdict == "refuted"
 
 
 def test_the_float64_gemm_is_proved_where_its_check_admits_it_and_refuted_past():
@@ -369,19 +380,19 @@ def test_the_float64_gemm_is_proved_where_its_check_admits_it_and_refuted_past()
     K = 18432, spread 11 stays within 2**53, spread 12 can pass it."""
     assert dataflow.float64_gemm_holds(18432, 4, 11) and not dataflow.float64_gemm_holds(
         18432, 4, 12)
-    assert prove_once(ob.cpu_float64_gemm(4, 32, 18432, 11)).verdict == "proved"
-    assert prove_once(ob.cpu_float64_gemm(4, 32, 18432, 12)).verdict == "refuted"
+    assert prove_once(gemms.cpu_float64_gemm(4, 32, 18432, 11)).verdict == "proved"
+    assert prove_once(gemms.cpu_float64_gemm(4, 32, 18432, 12)).verdict == "refuted"
 
 
 def test_the_four_limb_proofs_refute_planted_bugs(monkeypatch):
     """vnni-four-limbs and the four-limb terms at Kimi's gate/up, 8-bit weights: proved as the
     kernels compute; refuted where the limbs' bias is 64, not the 128 that the correction
     2**15 * sum_k q cancels, and at a spread whose terms int64 cannot hold."""
-    four = ob.vnni_four_limbs(8, 32, dataflow.DOT_ACC_BITS)
+    four = dots.vnni_four_limbs(8, 32, dataflow.DOT_ACC_BITS)
     assert prove(four, cache={}).verdict == "proved"
     limit = dataflow.certified_spread(7168, 8, 32)
     for kind in ("vnni", "group", "avx2"):  # the C kernel's builds' terms, the Triton kernels'
-        terms = (ob.four_limb_terms(8, 32, 7168, spread, kind) for spread in (limit, 40))
+        terms = (dots.four_limb_terms(8, 32, 7168, spread, kind) for spread in (limit, 40))
         assert [prove(o, cache={}).verdict for o in terms] == ["proved", "refuted"]
     monkeypatch.setattr(dataflow, "LIMB_OFFSET", 64)  # the biased dots' offset one place short
-    assert prove(ob.vnni_four_limbs(8, 32, dataflow.DOT_ACC_BITS), cache={}).verdict == "refuted"
+    assert prove(dots.vnni_four_limbs(8, 32, dataflow.DOT_ACC_BITS), cache={}).verdict == "refuted"
