@@ -14,6 +14,7 @@ three), memcheck (a few shapes once, for compute-sanitizer: bench/gpu_check.sh).
 from __future__ import annotations
 
 import functools
+import itertools
 import sys
 import warnings
 from contextlib import contextmanager
@@ -446,9 +447,10 @@ def moe_capture_check(experts: int = 16, tokens=(1, 16, 128)) -> int:
     the eager call's bits; again after new x and routing are copied in (and the per-expert
     loop's), the eager call's read-backs counted (none). Returns the failures."""
     exact, bad = exact_experts(experts), 0
-    print(f"| {experts} experts, top-8: T | read-backs a call | replay = eager | new routing "
-          f"in place: replay = eager = per-expert |")
-    for t in tokens:
+    print(f"| {experts} experts, top-8: T, block | read-backs a call | replay = eager | new "
+          f"routing in place: replay = eager = per-expert |")
+    for t, block in itertools.product(tokens, ("exact", "transformers")):
+        exact.block = block
         try:
             args = routed(t, experts, t)
             exact(*args)  # compilation
@@ -466,7 +468,8 @@ def moe_capture_check(experts: int = 16, tokens=(1, 16, 128)) -> int:
             results = [f"FAILED: {type(error).__name__}: {str(error)[:120]}"]
         failed, row = cells(results)
         bad += failed
-        print(f"| {t} | {row} |")
+        print(f"| {t}, {block} | {row} |")
+    exact.block = "exact"
     return bad
 
 

@@ -62,13 +62,14 @@ def from_pretrained(path: str | Path, act_bits: int = DEFAULT_ACT_BITS, *, devic
                     dtype: torch.dtype = torch.bfloat16,
                     experts: Callable[[int, int], bool] | None = None, rank: int | None = None,
                     world: int | None = None, mmap: bool = False,
-                    progress: bool | None = None) -> DeepseekV3ForCausalLM:
+                    progress: bool | None = None, block: str = "exact") -> DeepseekV3ForCausalLM:
     """A Kimi K2 / K2.5 checkpoint (compressed-tensors pack-quantized experts) as transformers'
     DeepseekV3ForCausalLM with exact routed experts. Every header is checked first, then each
     tensor streams from the mapped shards to `device`, checked as it is read; raises
     KimiCheckpointError naming the file and tensor for anything it cannot load as stored.
-    `experts=`, `rank=`/`world=`, `mmap=` and `progress=` as in kimi.convert_kimi_to_exact;
-    the experts held elsewhere are listed in the model's `exactness_remote`."""
+    `experts=`, `rank=`/`world=`, `mmap=`, `progress=` and `block=` as in
+    kimi.convert_kimi_to_exact; the experts held elsewhere are listed in the model's
+    `exactness_remote`."""
     checkpoint = KimiCheckpoint(path)
     try:
         prefix = K25_TEXT if checkpoint.raw_config.get("model_type") == "kimi_k25" else ""
@@ -80,7 +81,7 @@ def from_pretrained(path: str | Path, act_bits: int = DEFAULT_ACT_BITS, *, devic
         routed, parents, remote = {}, {}, []
         for name, module in list(model.named_modules()):
             if is_fused_experts(module):
-                new = ExactExperts.like(module, act_bits, device="meta")
+                new = ExactExperts.like(module, act_bits, device="meta", block=block)
                 replace_module(model, name, new)
                 register_experts(name, new, parents, routed)
         if local is not None:
@@ -165,7 +166,7 @@ class ExactKimiK2ForCausalLM(DeepseekV3ForCausalLM):
     @classmethod
     def from_pretrained(cls, path, *args, act_bits: int = DEFAULT_ACT_BITS, device="cpu",
                         **kwargs) -> DeepseekV3ForCausalLM:
-        options = ("dtype", "experts", "rank", "world", "mmap", "progress")
+        options = ("dtype", "experts", "rank", "world", "mmap", "progress", "block")
         return from_pretrained(path, act_bits, device=device,
                                **{k: v for k, v in kwargs.items() if k in options})
 

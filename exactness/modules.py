@@ -242,19 +242,20 @@ class ExactLayer(nn.Module):
         slow = int(weights.certificate.slow_rows.numel()) if chosen.kernel is not WIDE else 0
         return dataclasses.replace(chosen, slow_rows=slow)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         """Check the buffers and x, then one `exactness::linear` op (exactness/ops.py): on a GPU
-        it reads nothing back, so a CUDA graph captures it and torch.compile traces it whole."""
+        it reads nothing back, so a CUDA graph captures it and torch.compile traces it whole.
+        `out_dtype`: this call's output format (default: the layer's out_dtype, else x's)."""
         if torch.jit.is_tracing():
             raise ContractValueError(
                 "the exact layers cannot be traced by torch.jit.trace: their kernels write the "
                 "output where the tracer does not see it, so a trace would replay uninitialised "
                 "memory; call the layer eagerly")
         weights = self.weights()  # before x: a bad buffer is named even for an empty x
-        x2, out_format = self.checked_input(x, weights.packed.device)
+        x2, out_format = self.checked_input(x, weights.packed.device, out_dtype)
         if x2.shape[0] == 0:
-            return torch.empty((*x.shape[:-1], self.out_features), dtype=x.dtype
-                               if self.out_dtype is None else self.out_dtype, device=x.device)
+            return torch.empty((*x.shape[:-1], self.out_features),
+                               dtype=torch_dtype(out_format), device=x.device)
         if self.strict:  # v1's rule: a non-finite x or scale raises (a read of the device)
             check_finite_tensor(x2, "x")
             check_finite_tensor(weights.scale, "weight_scale")
@@ -268,16 +269,17 @@ class ExactLayer(nn.Module):
             y = no_backward(x, y)
         return y if x.dim() == 2 else y.reshape(*x.shape[:-1], self.out_features)
 
-    def checked_input(self, x: torch.Tensor,
-                      device: torch.device) -> tuple[torch.Tensor, FloatFormat]:
-        """x as [M, K] and the output's format, or a typed error (the buffers are on `device`)."""
+    def checked_input(self, x: torch.Tensor, device: torch.device,
+                      out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, FloatFormat]:
+        """x as [M, K] and the output's format (`out_dtype`, else the layer's, else x's), or a
+        typed error (the buffers are on `device`)."""
         if not isinstance(x, torch.Tensor):
             raise ContractTypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         if x.device != device:
             raise ContractValueError(f"x is on {x.device}, the layer's buffers on {device}: "
                                      f"move one (layer.to(x.device))")
         float_format(x.dtype)
-        out_format = float_format(self.out_dtype or x.dtype)
+        out_format = float_format(out_dtype or self.out_dtype or x.dtype)
         k = self.in_features
         if x.dim() == 0 or x.shape[-1] != k:
             raise ShapeError(f"x.shape[-1] must be in_features={k}, got shape {tuple(x.shape)}")

@@ -1,11 +1,13 @@
 """One exact call per projection of an MoE layer: every routed expert's gate and up in one grouped
-kernel call, SiLU(gate) * up in the output dtype, every routed expert's down in a second call,
-then the weighted sum over each token's experts.
+kernel call, SiLU(gate) * up, every routed expert's down in a second call, then the weighted sum
+over each token's experts. What happens between the calls is the block's glue (exactness.glue):
+"exact" (fp32 projections, float64 glue, one rounding of the block) or "transformers".
 
-The bits are those of the per-expert loop each integration keeps as its reference (transformers'
-own loop in `kimi.ExactExperts.per_expert`, `kimi.KimiMoE.per_expert`). The contract is per row,
-so an expert's layer gives a row the same bits in any company. `weighted_sum` adds a token's
-contributions in that loop's order (experts ascending, then slots), in its dtype.
+Either way the bits are those of the per-expert loop each integration keeps as its reference
+(`kimi.ExactExperts.per_expert`, `kimi.KimiMoE.per_expert`; in the transformers block,
+transformers' own loop). The contract is per row, so an expert's layer gives a row the same bits
+in any company. `weighted_sum` adds a token's contributions in that loop's order (experts
+ascending, then slots).
 
 Where the grouped call meets anything unusual it runs the per-expert loop instead, with that
 loop's own checks and errors, so the two never differ, errors and NaN rows included. That covers a
@@ -33,20 +35,14 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from .contract import ContractValueError, ExactnessError, NonFiniteError, ShapeError
+from .contract import FLOAT32, ContractValueError, ExactnessError, NonFiniteError, ShapeError
 from .formats import float_format, torch_dtype
+from .glue import activation, check_block, exact_activation, weighted_sum
 from .kernels import REGISTRY, KernelUnavailableError, Plan, plan_grouped
 from .kernels.registry import ENV, by_name, capturing, warn_fallback
 from .kernels.routing import Routing, refused, route
 from .kernels.wide import splice_slow_rows
 from .modules import ExactLayer, no_backward, traced
-
-# torch runs an elementwise function on vectors of up to 64 16-bit lanes (two AVX-512 registers
-# a step), and the elements past the last whole step on a scalar path. In one block of at most
-# torch's GRAIN_SIZE elements it runs on one thread, from the block's start: so in blocks of
-# GRAIN_SIZE elements, padded to a multiple of VECTOR_STEP, every element takes the vector path.
-VECTOR_STEP, GRAIN_SIZE = 64, 32768
-CHUNK = 2**22  # the activation's elements a step, into a workspace: each temporary under 32 MiB
 
 
 class Workspace(threading.local):
@@ -89,65 +85,20 @@ class RemoteLinear(nn.Module):
     def extra_repr(self) -> str:
         return f"{self.name}, in_features={self.in_features}, out_features={self.out_features}"
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
         raise MissingExpertError(f"{self.name}: a token is routed to this expert, which this "
                                  f"process does not hold (loaded with experts=): send the "
                                  f"token to the rank that holds it")
 
 
-def activation(act_fn: Callable, gate: torch.Tensor, up: torch.Tensor,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-    """act_fn(gate) * up in their dtype, as transformers computes it, each element's bits the same
-    whatever rows share the call (into `out` where given). torch's vector and scalar paths of SiLU
-    give the same bf16 and fp16 results for every input (tests/test_moe.py checks every pattern),
-    so those run in steps of CHUNK elements; not fp32 ones, so fp32 runs every element on the
-    vector path (VECTOR_STEP)."""
-    if gate.dtype != torch.float32:
-        if out is None:
-            return act_fn(gate) * up
-        step = max(1, CHUNK // gate.shape[1])
-        for start in range(0, gate.shape[0], step):
-            rows = slice(start, start + step)
-            torch.mul(act_fn(gate[rows]), up[rows], out=out[rows])
-        return out
-    flat = gate.contiguous().view(-1)
-    padded = nn.functional.pad(flat, (0, -flat.numel() % VECTOR_STEP))
-    out = torch.empty_like(padded)
-    for start in range(0, padded.numel(), GRAIN_SIZE):
-        out[start:start + GRAIN_SIZE] = act_fn(padded[start:start + GRAIN_SIZE])
-    return out[:flat.numel()].view(gate.shape) * up
-
-
-def weighted_sum(rows: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor,
-                 dtype: torch.dtype) -> torch.Tensor:
-    """[T, H] in `dtype`: for each token, sum over its pairs of (row * weight).to(dtype), added
-    one by one into zeros, experts ascending and then slots (the per-expert loops' index_add_
-    order). `rows` [R, H] holds the routed rows in routing order (R >= the routed rows; any past
-    them are never read). Nothing is read back."""
-    tokens, top_k = routing.tokens, routing.top_k
-    pairs = tokens * top_k
-    row_of = torch.empty(pairs, dtype=torch.int64, device=rows.device)
-    row_of[routing.pair] = torch.arange(pairs, device=rows.device)
-    # a token's slots in the loops' order; pairs of no expert last, to add nothing
-    order = torch.argsort(routing.key, dim=1, stable=True)
-    row = row_of.view(tokens, top_k).gather(1, order)
-    routed = row < routing.routed
-    weight = top_k_weights.gather(1, order)
-    out = torch.zeros((tokens, rows.shape[1]), dtype=dtype, device=rows.device)
-    if not rows.shape[0]:  # no pair names an expert
-        return out
-    for j in range(top_k):
-        picked = rows.index_select(0, torch.where(routed[:, j], row[:, j], 0))
-        term = (picked * weight[:, j, None]).to(dtype)
-        out += torch.where(routed[:, j, None], term, 0)
-    return out
-
-
 def experts_forward(experts: Sequence[nn.Module], act_fn: Callable, x: torch.Tensor,
                     top_k_index: torch.Tensor, top_k_weights: torch.Tensor, dtype: torch.dtype,
-                    per_expert: Callable[[], torch.Tensor]) -> torch.Tensor:
-    """The routed experts' weighted sum [T, H] in `dtype`, by the grouped kernels (see the
-    module's doc); `per_expert()` is the reference loop, run where they cannot."""
+                    per_expert: Callable[[], torch.Tensor],
+                    block: str = "transformers") -> torch.Tensor:
+    """The routed experts' weighted sum [T, H] in `dtype`, by the grouped kernels, with the glue
+    of `block` (see the module's doc); `per_expert()` is the reference loop, with the same
+    block, run where they cannot."""
+    check_block(block)
     layers = [(e.gate_proj, e.up_proj, e.down_proj) for e in experts]
     local = _local(layers)
     if torch.jit.is_tracing() or x.dim() != 2 or not x.shape[0] or local is None:
@@ -161,9 +112,9 @@ def experts_forward(experts: Sequence[nn.Module], act_fn: Callable, x: torch.Ten
                          f"{tuple(top_k_index.shape)} and top_k_weights "
                          f"{tuple(top_k_weights.shape)} disagree on tokens or top_k")
     if chosen.kernel.reads == "buffers":
-        out = _on_device(layers, act_fn, x, top_k_index, top_k_weights, dtype, per_expert)
+        out = _on_device(layers, act_fn, x, top_k_index, top_k_weights, dtype, block)
     else:
-        out = _on_cpu(chosen.kernel, layers, act_fn, x, top_k_index, top_k_weights, dtype)
+        out = _on_cpu(chosen.kernel, layers, act_fn, x, top_k_index, top_k_weights, dtype, block)
     if out is None:
         return per_expert()
     if x.requires_grad and torch.is_grad_enabled():
@@ -171,27 +122,30 @@ def experts_forward(experts: Sequence[nn.Module], act_fn: Callable, x: torch.Ten
     return out
 
 
-def _on_cpu(kernel, layers, act_fn, x, top_k_index, top_k_weights, dtype):
+def _on_cpu(kernel, layers, act_fn, x, top_k_index, top_k_weights, dtype, block):
     """The CPU's grouped call: each routed expert's layers checked and read in place, a refused
     id raised; None where the loop must run instead (other widths, a non-finite input or scale:
     the loop gives their NaN rows, or a strict layer's error)."""
     routing = route(top_k_index, len(layers), check=True)
+    exact = block == "exact"
+    out_format = FLOAT32 if exact else None  # None: the layers' own
     try:
         gate_and_up = _project(kernel, [parts[:2] for parts in layers], x, routing, True,
-                               WORKSPACE)
+                               WORKSPACE, out_format)
         if gate_and_up is None:
             return None
         inter = gate_and_up.shape[1] // 2
-        h = activation(act_fn, gate_and_up[:, :inter], gate_and_up[:, inter:],
-                       WORKSPACE.get("h", (gate_and_up.shape[0], inter), gate_and_up.dtype,
-                                     x.device))
-        rows = _project(kernel, [parts[2:] for parts in layers], h, routing, False, WORKSPACE)
+        h = (exact_activation if exact else activation)(
+            act_fn, gate_and_up[:, :inter], gate_and_up[:, inter:],
+            WORKSPACE.get("h", (gate_and_up.shape[0], inter), gate_and_up.dtype, x.device))
+        rows = _project(kernel, [parts[2:] for parts in layers], h, routing, False, WORKSPACE,
+                        out_format)
     except NonFiniteError:  # the loop raises it with its own index, or does not need the row
         return None
-    return None if rows is None else weighted_sum(rows, routing, top_k_weights, dtype)
+    return None if rows is None else weighted_sum(rows, routing, top_k_weights, dtype, block)
 
 
-def _on_device(layers, act_fn, x, top_k_index, top_k_weights, dtype, per_expert):
+def _on_device(layers, act_fn, x, top_k_index, top_k_weights, dtype, block):
     """The GPU's grouped call (and the interpreter's): one exactness::moe_experts op, nothing
     read back, so a CUDA graph captures it. None (the loop) for strict layers (v1's rule reads)
     and experts of other widths; in an eager call, the loop also for a token routed to an
@@ -212,32 +166,37 @@ def _on_device(layers, act_fn, x, top_k_index, top_k_weights, dtype, per_expert)
                for b in (layer.checked_buffers() if _exact(parts) else (none, none, none))]
     if any(b.device != x.device for b in buffers):
         raise ContractValueError(f"x is on {x.device}, an expert's buffers elsewhere: move one")
+    exact = block == "exact"
     args = (x.detach(), top_k_index, top_k_weights, buffers, first.bits, first.act_bits,
-            torch_dtype(out_format), dtype)
+            torch.float32 if exact else torch_dtype(out_format), dtype)
     if act_fn is nn.functional.silu or isinstance(act_fn, nn.SiLU):
-        return moe_experts(*args)
-    return device_experts(*args, act_fn)  # the op's body, with an activation it does not name
+        return moe_experts(*args, exact)
+    return device_experts(*args, act_fn, exact)  # the op's body, with an activation it does
+    # not name
 
 
 @torch.library.custom_op("exactness::moe_experts", mutates_args=())
 def moe_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                 buffers: list[torch.Tensor], bits: int, act_bits: int, out_dtype: torch.dtype,
-                dtype: torch.dtype) -> torch.Tensor:
+                dtype: torch.dtype, exact_block: bool = False) -> torch.Tensor:
     """An MoE layer's routed experts with SiLU, [T, H] in `dtype` (device_experts)."""
     return device_experts(x, top_k_index, top_k_weights, buffers, bits, act_bits, out_dtype,
-                          dtype, nn.functional.silu)
+                          dtype, nn.functional.silu, exact_block)
 
 
 @moe_experts.register_fake
-def _(x, top_k_index, top_k_weights, buffers, bits, act_bits, out_dtype, dtype):
+def _(x, top_k_index, top_k_weights, buffers, bits, act_bits, out_dtype, dtype,
+      exact_block=False):
     return x.new_empty(x.shape, dtype=dtype)  # down's outputs are the hidden size, x's
 
 
 def device_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor,
                    buffers: list[torch.Tensor], bits: int, act_bits: int,
-                   out_dtype: torch.dtype, dtype: torch.dtype, act_fn: Callable) -> torch.Tensor:
+                   out_dtype: torch.dtype, dtype: torch.dtype, act_fn: Callable,
+                   exact_block: bool = False) -> torch.Tensor:
     """[T, H] in `dtype` by the grouped kernel that reads buffers: `buffers` holds each expert's
-    gate, up and down (weight_packed, weight_scale, weight_shape), empty for an expert not held.
+    gate, up and down (weight_packed, weight_scale, weight_shape), empty for an expert not held;
+    the projections' outputs in `out_dtype`, the glue the exact block's where `exact_block`.
     Launches at fixed shapes only (the routing padded to tokens * top_k rows, as vLLM's
     moe_align_block_size pads it): a row of x holding inf or NaN, a token routed to an expert
     not held, and one with a refused id (outside [0, E], or an expert named twice) give the
@@ -254,12 +213,14 @@ def device_experts(x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: to
     gate_and_up, _ = kernel.run_grouped(x, routing, [parts[:2] for parts in layers], bits,
                                         act_bits, out_format, gather=True)
     inter = gate_and_up.shape[1] // 2
-    h = activation(act_fn, gate_and_up[:, :inter], gate_and_up[:, inter:])
+    h = (exact_activation if exact_block else activation)(act_fn, gate_and_up[:, :inter],
+                                                          gate_and_up[:, inter:])
     routed = torch.arange(h.shape[0], device=h.device) < routing.routed
     h = torch.where(routed[:, None], h, 0)  # rows of no expert: never computed, never data
     rows, _ = kernel.run_grouped(h, routing, [parts[2:] for parts in layers], bits, act_bits,
                                  out_format, gather=False)
-    out = weighted_sum(rows, routing, top_k_weights, dtype)
+    out = weighted_sum(rows, routing, top_k_weights, dtype,
+                       "exact" if exact_block else "transformers")
     out_of_range, repeated = refused(top_k_index.to(torch.int64), experts)
     return out.masked_fill((out_of_range | repeated).any(dim=1)[:, None], float("nan"))
 
@@ -326,9 +287,11 @@ def _consistent(layers, experts: Sequence[int]) -> bool:
                for e in experts)
 
 
-def _project(kernel, layers, x: torch.Tensor, routing: Routing, gather: bool, workspace=None):
-    """y as `projection` gives it (in `workspace` where given), or None where the experts differ
-    in widths or the loop must give a non-finite scale's NaN rows. A kernel that reads layers
+def _project(kernel, layers, x: torch.Tensor, routing: Routing, gather: bool, workspace=None,
+             out_format=None):
+    """y as `projection` gives it (in `workspace` where given; in `out_format` where given, else
+    the layers'), or None where the experts differ in widths or the loop must give a non-finite
+    scale's NaN rows. A kernel that reads layers
     (the CPU's): each routed expert's buffers checked and read in place, its slow rows spliced
     in from `wide` (as a layer's forward), a non-finite x raised. One that reads buffers (the
     GPU's): every output on the device, nothing read back (grouped_launch)."""
@@ -337,7 +300,7 @@ def _project(kernel, layers, x: torch.Tensor, routing: Routing, gather: bool, wo
         if not _consistent(layers, held):
             return None
         first = layers[held[0]][0]
-        x, out_format = first.checked_input(x, x.device)
+        x, out_format = first.checked_input(x, x.device, out_format and torch_dtype(out_format))
         buffers = [[layer.checked_buffers() for layer in parts] if _exact(parts)
                    else [None] * len(parts) for parts in layers]
         if any(b[0].device != x.device for parts in buffers for b in parts if b is not None):
@@ -350,7 +313,7 @@ def _project(kernel, layers, x: torch.Tensor, routing: Routing, gather: bool, wo
     if experts and not _consistent(layers, experts):
         return None
     first = layers[experts[0]][0] if experts else _local(layers)[0]
-    x, out_format = first.checked_input(x, x.device)
+    x, out_format = first.checked_input(x, x.device, out_format and torch_dtype(out_format))
     if not experts:
         return x.new_empty((0, len(layers[0]) * first.out_features), dtype=torch_dtype(
             out_format))

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from exactness import ExactLinear, PackedInt4Linear, moe, ops
+from exactness import ExactLinear, PackedInt4Linear, glue, moe, ops
 from exactness.contract import (
     BFLOAT16,
     ContractTypeError,
@@ -28,6 +28,7 @@ from exactness.kernels.routing import route
 from exactness.kimi import ExactExperts, KimiConfig, KimiMoE, KimiRouter
 from exactness.suite.cases import LinearCase, MoECase
 from exactness.suite.counterexamples import check_bits
+from exactness.suite.moe_reference import exact_block
 from exactness.suite.paths import available_paths, device_of, grouped_paths, held_act_bits, run
 from exactness.suite.strategies import (
     moe_cases,
@@ -97,7 +98,7 @@ def load(layer, packed: np.ndarray, scales: np.ndarray) -> None:
 def experts_of(case, backend: str = "cpu") -> ExactExperts:
     """transformers' experts module, exact, holding `case`'s weights (cases.MoECase)."""
     experts = ExactExperts(case.experts, case.hidden, case.inter, torch.nn.SiLU(),
-                           case.act_bits)
+                           case.act_bits, block=case.block)
     (gate_up, gate_up_scales), (down, down_scales) = case.gate_up, case.down
     i, h = case.inter, case.hidden
     for e, expert in enumerate(experts):
@@ -141,10 +142,12 @@ def outcome(call):
 
 @pytest.mark.parametrize("backend", ALL_BACKENDS)
 def test_grouped_experts_match_transformers_loop(backend):
-    """transformers' experts module (ExactExperts): one grouped call per projection gives the
-    bits of transformers' own loop over the exact layers, errors included. On a difference, each
-    projection is checked against the reference, and the first that differs is written as a
-    counterexample file."""
+    """transformers' experts module (ExactExperts), in either block: one grouped call per
+    projection gives the bits of its per-expert loop (in the transformers block, transformers'
+    own loop over the exact layers), errors included; in the exact block, those of its
+    step-by-step reference (suite.moe_reference) too. On a difference, each projection is
+    checked against the reference, and the first that differs is written as a counterexample
+    file."""
     skip_unless_backend(backend)
     cases = moe_cases(act_bits_=held_act_bits(backend))  # triton: not 32 bits (test_act32.py)
     examples(backend, 2, 600)(given(cases)(lambda case: check_experts(backend, case)))()
@@ -163,6 +166,20 @@ def check_experts(backend: str, case) -> None:
         raise AssertionError(f"{case!r}: the grouped call differs from the loop, though each "
                              f"projection matches the reference: the activation or the "
                              f"weighted sum")
+    if case.block == "exact":
+        assert_same_bits(grouped[0], exact_block(case), case.x_format, case)
+
+
+def assert_same_bits(got: np.ndarray, want: np.ndarray, fmt, case) -> None:
+    """Bit for bit, any NaN for a NaN (the reference's is the canonical one)."""
+    nan_got, nan_want = ~finite_mask(got, fmt), ~finite_mask(want, fmt)
+    nan_got &= (got & ((1 << fmt.mant_bits) - 1)) != 0
+    nan_want &= (want & ((1 << fmt.mant_bits) - 1)) != 0
+    same = np.where(nan_want, nan_got, got == want)
+    if not same.all():
+        t, c = map(int, np.argwhere(~same)[0])
+        raise AssertionError(f"{case!r}: the exact block's output ({t}, {c}) is {got[t, c]:#x}, "
+                             f"its reference's {want[t, c]:#x} ({int((~same).sum())} differ)")
 
 
 def grouped_path(backend: str) -> str:
@@ -179,15 +196,16 @@ def explain(case, path: str) -> None:
     gate_up = case.gate_up_case()
     check_bits(gate_up, path, run(gate_up, path), run(gate_up, "reference"))
     t, top_k = case.routing.shape
-    up_and_gate = bits_to_tensor(run(gate_up, "reference"), case.x_format)
+    up_and_gate = bits_to_tensor(run(gate_up, "reference"), case.inner_format)
     i = case.inter
+    step = glue.exact_activation if case.block == "exact" else glue.activation
     h = [], []
     for token in range(t):
         for slot in range(top_k):
             e = int(case.routing[token, slot])
             if e < case.experts:
                 block = up_and_gate[token, slot * 2 * i:(slot + 1) * 2 * i]
-                h[0].append(moe.activation(torch.nn.functional.silu, block[:i], block[i:]))
+                h[0].append(step(torch.nn.functional.silu, block[None, :i], block[None, i:])[0])
                 h[1].append(e)
     if h[0]:
         down = case.down_case(tensor_to_bits(torch.stack(h[0])), np.array(h[1]))
@@ -577,7 +595,7 @@ def test_the_weighted_sum_and_routing_stay_on_the_device_of_the_rows():
     nothing is read back)."""
     routing = route(torch.tensor([[0, 1], [1, 2]], device="meta"), 3)
     rows = torch.empty(4, 8, dtype=torch.bfloat16, device="meta")
-    out = moe.weighted_sum(rows, routing, torch.empty(2, 2, device="meta"), torch.float32)
+    out = glue.weighted_sum(rows, routing, torch.empty(2, 2, device="meta"), torch.float32)
     assert (out.shape, out.dtype, out.device.type) == ((2, 8), torch.float32, "meta")
 
 
@@ -586,7 +604,7 @@ def test_the_activation_writes_into_the_buffer_it_is_given(dtype):
     g = torch.Generator().manual_seed(7)
     gate, up = (torch.randn(3, 64, generator=g).to(dtype) for _ in range(2))
     out = torch.full((3, 64), float("nan"), dtype=dtype)
-    assert moe.activation(torch.nn.functional.silu, gate, up, out) is out
+    assert glue.activation(torch.nn.functional.silu, gate, up, out) is out
     assert torch.equal(out, torch.nn.functional.silu(gate) * up)
 
 
@@ -667,8 +685,8 @@ def counting_reads(monkeypatch) -> CountReads:
 
 
 def test_the_gpu_path_reads_nothing_back(monkeypatch):
-    """The MoE call's wrapper reads nothing (inside the op a torch function mode sees nothing:
-    tests/test_capture.py calls the op's body as a function)."""
+    """The MoE call's wrapper reads nothing, in the exact block (inside the op a torch function
+    mode sees nothing: tests/test_capture.py calls the op's body as a function)."""
     skip_unless_backend("triton")
     block = kimi_moe()
     set_backend(block, "triton")
@@ -678,7 +696,7 @@ def test_the_gpu_path_reads_nothing_back(monkeypatch):
     experts = block.experts
     with counter:
         y = moe.experts_forward(experts, torch.nn.functional.silu, x, chosen, weights,
-                                torch.float32, lambda: pytest.fail("the loop ran"))
+                                block.sums, lambda: pytest.fail("the loop ran"), block.block)
     assert counter.reads == [], counter.reads
     set_backend(block, "cpu")
     assert torch.equal(y.cpu(), block.per_expert(x.cpu(), chosen.cpu(), weights.cpu()))
@@ -697,7 +715,7 @@ def test_the_plan_never_takes_a_grouped_kernel_for_a_layer_unasked():
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_silu_takes_the_same_bits_on_torchs_vector_and_scalar_paths(dtype):
-    """What lets `moe.activation` call SiLU on 16-bit outputs directly: every finite pattern
+    """What lets `glue.activation` call SiLU on 16-bit outputs directly: every finite pattern
     gives the same bits alone (torch's scalar path) and in a long tensor (its vector path)."""
     bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
     x = bits.view(dtype)
@@ -714,9 +732,9 @@ def test_the_fp32_activation_gives_each_element_the_same_bits_anywhere(rows, wid
     i = 32 * width
     g = torch.Generator().manual_seed(seed)
     gate, up = torch.randn(rows, i, generator=g) * 4, torch.randn(rows, i, generator=g)
-    both = tensor_to_bits(moe.activation(torch.nn.functional.silu, gate, up))
+    both = tensor_to_bits(glue.activation(torch.nn.functional.silu, gate, up))
     r = rows // 2
-    alone = tensor_to_bits(moe.activation(torch.nn.functional.silu, gate[r:r + 1], up[r:r + 1]))
+    alone = tensor_to_bits(glue.activation(torch.nn.functional.silu, gate[r:r + 1], up[r:r + 1]))
     assert (alone[0] == both[r]).all()
 
 
@@ -726,7 +744,7 @@ def test_the_fp32_activation_is_silu_of_gate_times_up():
     g = torch.Generator().manual_seed(3)
     gate, up = torch.randn(5, 128, generator=g) * 4, torch.randn(5, 128, generator=g)
     want = torch.nn.functional.silu(gate) * up
-    got = moe.activation(torch.nn.functional.silu, gate, up)
+    got = glue.activation(torch.nn.functional.silu, gate, up)
     assert (tensor_to_bits(got) == tensor_to_bits(want)).all()
 
 

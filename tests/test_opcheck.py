@@ -59,8 +59,10 @@ def test_the_linear_ops_fake_agrees_with_the_triton_kernels(x_dtype, out_dtype, 
     opcheck(ops.linear, linear_args(x_dtype, out_dtype, *width, rows, "triton"))
 
 
-def moe_args(x_dtype, out_dtype, dtype, bits: int, act_bits: int, tokens: int) -> tuple:
-    """moe_experts' arguments: 3 experts (hidden 64, intermediate 32), top-2."""
+def moe_args(x_dtype, out_dtype, dtype, bits: int, act_bits: int, tokens: int,
+             exact_block: bool = False) -> tuple:
+    """moe_experts' arguments: 3 experts (hidden 64, intermediate 32), top-2; the exact block's
+    glue (projections in fp32) or transformers'."""
     torch.manual_seed(tokens + 7 * bits + act_bits)
     buffers = []
     for _ in range(3):
@@ -71,19 +73,21 @@ def moe_args(x_dtype, out_dtype, dtype, bits: int, act_bits: int, tokens: int) -
         torch.empty((0, 2), dtype=torch.int64)
     weights = torch.rand(tokens, 2)
     return (torch.randn(tokens, 64).to(x_dtype), ids, weights, buffers, bits, act_bits,
-            out_dtype, dtype)
+            out_dtype, dtype, exact_block)
 
 
 @needs_triton
-@pytest.mark.parametrize("x_dtype, out_dtype, dtype, width, tokens", [
-    (torch.bfloat16, torch.bfloat16, torch.bfloat16, (4, 16), 5),
-    (torch.float16, torch.float16, torch.float32, (4, 8), 1),
-    (torch.float32, torch.bfloat16, torch.float16, (8, 16), 3),
-    (torch.bfloat16, torch.float32, torch.bfloat16, (4, 32), 2),
-    (torch.bfloat16, torch.bfloat16, torch.bfloat16, (4, 16), 0)])
+@pytest.mark.parametrize("x_dtype, out_dtype, dtype, width, tokens, exact_block", [
+    (torch.bfloat16, torch.bfloat16, torch.bfloat16, (4, 16), 5, False),
+    (torch.float16, torch.float16, torch.float32, (4, 8), 1, False),
+    (torch.float32, torch.bfloat16, torch.float16, (8, 16), 3, False),
+    (torch.bfloat16, torch.float32, torch.bfloat16, (4, 32), 2, False),
+    (torch.bfloat16, torch.bfloat16, torch.bfloat16, (4, 16), 0, False),
+    (torch.bfloat16, torch.float32, torch.bfloat16, (4, 32), 3, True),
+    (torch.float16, torch.float32, torch.float32, (4, 16), 1, True)])
 def test_the_moe_ops_fake_agrees_with_the_grouped_kernel(x_dtype, out_dtype, dtype, width,
-                                                         tokens):
-    opcheck(moe.moe_experts, moe_args(x_dtype, out_dtype, dtype, *width, tokens))
+                                                         tokens, exact_block):
+    opcheck(moe.moe_experts, moe_args(x_dtype, out_dtype, dtype, *width, tokens, exact_block))
 
 
 @pytest.mark.parametrize("planted", ["dtype", "shape", "strides"])

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from ..contract import DEFAULT_ACT_BITS
+from ..glue import check_block
 from ..modules import ExactLinear, PackedInt4Linear
 from .checkpoint import PACKED_KEYS, ROUTED, SHARED_OR_DENSE, KimiCheckpoint, install
 from .config import KimiConversionError
@@ -44,8 +45,8 @@ def convert_kimi_to_exact(model: nn.Module, checkpoint_dir: str | Path | None = 
                           act_bits: int = DEFAULT_ACT_BITS, dense_bits: int | None = None,
                           experts: Callable[[int, int], bool] | None = None,
                           rank: int | None = None, world: int | None = None,
-                          mmap: bool = False, device=None,
-                          progress: bool | None = None) -> ConversionReport:
+                          mmap: bool = False, device=None, progress: bool | None = None,
+                          block: str = "exact") -> ConversionReport:
     """Make every routed-expert projection a `PackedInt4Linear` (loaded from the checkpoint when
     one is given), transformers' fused experts (DeepseekV3Experts) an `ExactExperts`; with
     dense_bits 4 or 8, shared experts and the dense MLP go through `ExactLinear.from_weight`.
@@ -59,9 +60,12 @@ def convert_kimi_to_exact(model: nn.Module, checkpoint_dir: str | Path | None = 
     - `mmap=True`: the int4 tensors stay the shards' own pages, copy-on-write (CPU only).
     - `device`: where the tensors go, one at a time (default: the routed modules' device, the
       CPU for a model on meta).
-    - `progress`: a bar (tqdm); None shows it on a terminal for a load over 1 GiB."""
+    - `progress`: a bar (tqdm); None shows it on a terminal for a load over 1 GiB.
+    - `block`: the glue of the new ExactExperts, "exact" (the default: one rounding of the
+      whole block) or "transformers" (transformers' bits; docs/KIMI.md)."""
     if dense_bits not in (None, 4, 8):
         raise ValueError(f"dense_bits must be None, 4 or 8, got {dense_bits!r}")
+    check_block(block)
     import resource
 
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -70,7 +74,7 @@ def convert_kimi_to_exact(model: nn.Module, checkpoint_dir: str | Path | None = 
         n_experts = checkpoint.config.n_routed_experts if checkpoint else _n_experts(model)
         local = local_experts(experts, rank, world, n_experts)
         report, targets, replacements, loaded = _stage(model, checkpoint, act_bits, dense_bits,
-                                                       local, device, mmap, progress)
+                                                       local, device, mmap, progress, block)
     finally:
         if checkpoint is not None:
             checkpoint.close()
@@ -96,7 +100,8 @@ def _n_experts(model: nn.Module) -> int:
 
 
 def _stage(model: nn.Module, checkpoint: KimiCheckpoint | None, act_bits: int,
-           dense_bits: int | None, local, device, mmap: bool, progress: bool | None):
+           dense_bits: int | None, local, device, mmap: bool, progress: bool | None,
+           block: str = "exact"):
     """Everything convert_kimi_to_exact does but change the model: the report; each routed
     projection's layer-to-be (the model's own when it is a PackedInt4Linear of these act_bits);
     the new modules to swap in; and each routed projection's tensors, checked and read."""
@@ -107,7 +112,7 @@ def _stage(model: nn.Module, checkpoint: KimiCheckpoint | None, act_bits: int,
     fused = [(name, m) for name, m in model.named_modules() if is_fused_experts(m)]
     for name, module in fused:  # transformers' experts: one exact module, 3 layers an expert
         at = "meta" if checkpoint is not None else module.gate_up_proj.device  # (assigned)
-        replacements[name] = ExactExperts.like(module, act_bits, at)
+        replacements[name] = ExactExperts.like(module, act_bits, at, block=block)
         register_experts(name, replacements[name], parents, targets)
     for name, module in model.named_modules():
         if ROUTED.match(name) and isinstance(module, nn.Linear | PackedInt4Linear):

@@ -6,9 +6,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..glue import activation, check_block, exact_block_loop, round_float64
 from ..kernels.routing import check_routing
 from ..modules import PackedInt4Linear
-from ..moe import activation, experts_forward
+from ..moe import experts_forward
 from .config import KimiConfig
 
 
@@ -55,11 +56,13 @@ class KimiRouter(nn.Module):
 
 class KimiMoE(nn.Module):
     """Routed experts (one grouped call per projection where they are exact: exactness.moe; the
-    per-expert loop with `grouped = False`), shared experts, the router; sums in fp32."""
+    per-expert loop with `grouped = False`), shared experts, the router. `block` "exact" (the
+    default): the routed experts' exact block, summed in float64 with the shared experts and
+    rounded once; "transformers": bf16 glue, the sum in fp32."""
 
-    def __init__(self, config: KimiConfig, grouped: bool = True):
+    def __init__(self, config: KimiConfig, grouped: bool = True, block: str = "exact"):
         super().__init__()
-        self.config, self.grouped = config, grouped
+        self.config, self.grouped, self.block = config, grouped, check_block(block)
         self.experts = nn.ModuleList(KimiMLP(config, config.moe_intermediate_size, routed=True)
                                      for _ in range(config.n_routed_experts))
         self.gate = KimiRouter(config)
@@ -71,14 +74,26 @@ class KimiMoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         chosen, weights = self.gate(x)
         routed = (experts_forward(self.experts, nn.functional.silu, x, chosen, weights,
-                                  torch.float32, lambda: self.per_expert(x, chosen, weights))
+                                  self.sums, lambda: self.per_expert(x, chosen, weights),
+                                  self.block)
                   if self.grouped else self.per_expert(x, chosen, weights))
-        return (routed + self.shared_experts(x).float()).to(x.dtype).reshape(shape)
+        return round_float64(routed + self.shared_experts(x).to(self.sums),
+                             x.dtype).reshape(shape)
+
+    @property
+    def sums(self) -> torch.dtype:
+        """What the routed and shared experts' outputs are added in: float64 for the exact
+        block of exact experts (bf16 nn.Linear experts have no exact block: fp32)."""
+        exact = self.block == "exact" and self.config.use_exact_generators
+        return torch.float64 if exact else torch.float32
 
     def per_expert(self, x: torch.Tensor, chosen: torch.Tensor,
                    weights: torch.Tensor) -> torch.Tensor:
         """The routed experts one by one: the reference the grouped call is checked against."""
         check_routing(chosen.to(torch.int64), len(self.experts))
+        if self.sums == torch.float64:
+            return exact_block_loop(self.experts, nn.functional.silu, x, chosen, weights,
+                                    self.sums)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         for e in torch.unique(chosen).tolist():  # each expert sees only its tokens
             token, slot = torch.nonzero(chosen == e, as_tuple=True)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..contract import FloatFormat, float_format
+from ..contract import FLOAT32, FloatFormat, float_format
 from ..formats import unpack_weights
 
 # package data, copied unchanged from the contract: v1 (36 cases), v1.1's act_bits = 32 (18),
@@ -100,6 +100,7 @@ class MoECase:
     experts: int
     gate_up: tuple[np.ndarray, np.ndarray]  # (weight_packed, scale bits) [2 I E, ...]
     down: tuple[np.ndarray, np.ndarray]  # [H E, ...]
+    block: str = "transformers"  # the glue between the projections (exactness.glue.BLOCKS)
 
     @property
     def hidden(self) -> int:
@@ -109,22 +110,28 @@ class MoECase:
     def inter(self) -> int:
         return self.down[1].shape[1] * 32
 
+    @property
+    def inner_format(self) -> FloatFormat:
+        """The projections' outputs and h: fp32 in the exact block, x's format otherwise."""
+        return FLOAT32 if self.block == "exact" else self.x_format
+
     def gate_up_case(self) -> LinearCase:
         """The gate and up projection as one grouped call's case (two parts an expert)."""
         packed, scales = self.gate_up
         return LinearCase(self.x_bits, self.x_format, unpack_weights(packed, 4), packed, scales,
-                          self.act_bits, self.x_format, 4, routing=self.routing,
+                          self.act_bits, self.inner_format, 4, routing=self.routing,
                           experts=self.experts, parts=2, name="gate_up")
 
     def down_case(self, h_bits: np.ndarray, experts_of_rows: np.ndarray) -> LinearCase:
         """The down projection of the routed rows h [R, I] (each row its own token), each row
         to its expert."""
         packed, scales = self.down
-        return LinearCase(h_bits, self.x_format, unpack_weights(packed, 4), packed, scales,
-                          self.act_bits, self.x_format, 4, routing=experts_of_rows[:, None],
+        return LinearCase(h_bits, self.inner_format, unpack_weights(packed, 4), packed, scales,
+                          self.act_bits, self.inner_format, 4, routing=experts_of_rows[:, None],
                           experts=self.experts, name="down")
 
     def __repr__(self) -> str:
         t, top_k = self.routing.shape
         return (f"MoECase(T={t}, H={self.hidden}, I={self.inter}, experts={self.experts}, "
-                f"top_k={top_k}, x={self.x_format.name}, act_bits={self.act_bits})")
+                f"top_k={top_k}, x={self.x_format.name}, act_bits={self.act_bits}, "
+                f"block={self.block})")

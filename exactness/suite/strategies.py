@@ -348,8 +348,9 @@ MOE_ACT_KINDS = ("unit", "unit", "unit", "wide-rows")  # mostly |x| about 1: non
 
 @st.composite
 def moe_cases(draw, max_experts: int = 4, max_tokens: int = 8, max_hidden: int = 96,
-              max_inter: int = 64, act_bits_=None):
-    """An MoE layer's routed experts, an input and its routing (cases.MoECase). The edge cases
+              max_inter: int = 64, act_bits_=None, blocks=("exact", "transformers")):
+    """An MoE layer's routed experts, an input and its routing (cases.MoECase), with the glue
+    of one of `blocks` (exactness.glue.BLOCKS). The edge cases
     of one projection are linear_cases' and routed_cases': here the inputs are mostly of
     magnitude about 1 (or a row spread wide), with scales about 2**-6, so that both projections
     and the weighted sum give nonzero, finite outputs, whose routing and order show."""
@@ -374,4 +375,5 @@ def moe_cases(draw, max_experts: int = 4, max_tokens: int = 8, max_hidden: int =
                    rng.random((tokens, top_k)).astype(np.float32), experts,
                    (gate_up, draw(scale_bits(2 * inter * experts, hidden // GROUP_SIZE,
                                              scales))),
-                   (down, draw(scale_bits(hidden * experts, inter // GROUP_SIZE, scales))))
+                   (down, draw(scale_bits(hidden * experts, inter // GROUP_SIZE, scales))),
+                   draw(st.sampled_from(blocks)))

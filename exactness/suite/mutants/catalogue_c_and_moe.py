@@ -4,7 +4,7 @@ grouped MoE kernels'."""
 
 from __future__ import annotations
 
-from ... import formats, kimi, moe, quantize
+from ... import formats, glue, kimi, moe, quantize
 from ...kernels.cpu import gemm, vnni_layout
 from ...kernels.triton import grouped as triton_grouped
 from .targets import (
@@ -22,6 +22,7 @@ from .targets import (
     CPU,
     CPU_VECTORS,
     DEVICES_MOE,
+    EXACT_BLOCK,
     GROUPED_KERNEL,
     SPANS,
     SPANS_CHAIN,
@@ -299,10 +300,34 @@ C_AND_MOE = (
            "entry = table_ptr + (expert * (PARTS - 1) + part) * 4",
            "the expert stride of the GPU's table of layers off by one: another expert's (or "
            "part's) weights", (grouped("triton-grouped"), moe_block("triton"))),
-    Mutant("grouped-row-sent-to-the-wrong-token", at(moe.weighted_sum),
+    Mutant("grouped-row-sent-to-the-wrong-token", at(glue.weighted_sum),
            "row_of[routing.pair] = torch.arange(pairs, device=rows.device)",
            "row_of = routing.pair.clone()",
            "the routing's permutation taken for its inverse: a row's result summed into the "
            "wrong token", (moe_block("cpu"), "tests/test_moe.py::"
                            "test_kimi_moe_grouped_matches_its_per_expert_loop[cpu]")),
+    # --- the exact block's glue (issue 68): each step against its reference
+    Mutant("exact-block-projections-in-the-models-dtype", at(moe._on_cpu),
+           "out_format = FLOAT32 if exact else None", "out_format = None",
+           "the exact block's gate, up and down rounded to bf16, as transformers' are",
+           (moe_block("cpu"),)),
+    Mutant("exact-block-transformers-glue-on-the-gpu", at(moe.device_experts),
+           '"exact" if exact_block else "transformers")', '"transformers")',
+           "the GPU op's weighted sum in the model's dtype though the exact block was asked for",
+           (moe_block("triton"),)),
+    Mutant("exact-block-silu-in-fp32", at(glue.exact_activation),
+           "g = gate[rows].to(torch.float64)", "g = gate[rows]",
+           "the exact block's SiLU in fp32: h rounded twice",
+           (EXACT_BLOCK + "test_the_exact_blocks_h_gives_each_element_the_same_bits_anywhere",
+            moe_block("cpu"))),
+    Mutant("exact-block-rounded-twice", at(glue.round_float64),
+           "return odd.to(dtype)", "return t.to(dtype)",
+           "the block's float64 sum rounded to bf16 through fp32, twice (torch's own .to)",
+           (EXACT_BLOCK + "test_the_blocks_one_rounding_is_the_contracts_rne[bfloat16]",
+            EXACT_BLOCK + "test_the_blocks_one_rounding_is_the_contracts_rne[float16]")),
+    Mutant("exact-block-terms-summed-in-fp32", at(glue.weighted_sum),
+           "sums = torch.float64 if exact else dtype", "sums = torch.float32 if exact else dtype",
+           "the exact block's weighted terms and their sum in fp32",
+           (EXACT_BLOCK + "test_the_exact_weighted_sum_is_a_float64_sum_rounded_once[float32]",
+            moe_block("cpu"))),
 )

@@ -110,6 +110,10 @@ def grouped(path: str) -> str:
     return f"tests/test_moe.py::test_grouped_projection_matches_reference[{path}]"
 
 
+EXACT_BLOCK = "tests/test_exact_block.py::"
+
+
 def moe_block(backend: str) -> str:
-    """The property: the grouped MoE block against transformers' per-expert loop."""
+    """The property: the grouped MoE block against its per-expert loop (transformers' own in
+    the transformers block) and, in the exact block, its reference."""
     return f"tests/test_moe.py::test_grouped_experts_match_transformers_loop[{backend}]"
