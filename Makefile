@@ -35,6 +35,7 @@ verify: setup
 
 precision: setup
 	EXACTNESS_DEVICE= TRITON_INTERPRET=0 $(BIN)/python -m exactness precision
+	EXACTNESS_DEVICE= TRITON_INTERPRET=0 $(BIN)/python bench/block_precision.py
 
 mutants: setup
 	$(BIN)/python -m exactness mutants

@@ -1,8 +1,9 @@
 """An MoE layer's routed experts at Kimi's sizes (hidden 7168, expert width 2048, top-8): the
-grouped exact call against transformers' own DeepseekV3Experts in bf16 on the dequantized weights,
-and against the exact per-expert loop (transformers' loop over the exact layers), side by side.
+grouped exact call, in the exact block (the default) and in the transformers block, against
+transformers' own DeepseekV3Experts in bf16 on the dequantized weights, and against the exact
+per-expert loop (the exact block's, one expert at a time), side by side.
 
-The three alternate call by call, the same tokens and routing, medians. Routing: each token's 8
+They alternate call by call, the same tokens and routing, medians. Routing: each token's 8
 experts drawn at random among E, so that at T = 128 with E = 64 every expert has about 16 rows.
 The checks column is the part of the grouped call that checks the routed experts' buffers are
 readable (each layer's `weights()`), timed alone.
@@ -60,6 +61,11 @@ def routing(tokens: int, experts: int, seed: int) -> tuple[torch.Tensor, torch.T
     return ids, weights / weights.sum(1, keepdim=True) * 2.827
 
 
+def in_block(experts: ExactExperts, block: str, x, ids, weights, loop: bool = False):
+    experts.block = block
+    return experts.per_expert(x, ids, weights) if loop else experts(x, ids, weights)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,9 +82,10 @@ def main() -> int:
              f"{torch.get_num_threads()} threads; {args.experts} experts of {HIDDEN} -> "
              f"{INTER}, top-{TOP_K}, act_bits {args.act_bits}; the grouped call: "
              f"{plan.kernel.name if plan else 'the per-expert loop'}; medians", "",
-             "| T | grouped ms | per-expert ms | bf16 ms | grouped / bf16 | "
-             "grouped / per-expert | checks ms |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| T | grouped ms | transformers block ms | per-expert ms | bf16 ms | "
+             "grouped / bf16 | grouped / transformers block | grouped / per-expert | "
+             "checks ms |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     print("\n".join(lines), flush=True)
     for t in args.tokens:
         x = torch.randn(t, HIDDEN, generator=torch.Generator().manual_seed(t)).bfloat16()
@@ -87,12 +94,15 @@ def main() -> int:
         layers = [layer for e in active for layer in (e.gate_proj, e.up_proj, e.down_proj)]
         want = exact.per_expert(x, ids, weights)
         assert torch.equal(exact(x, ids, weights), want), "the grouped call differs"
-        grouped, loop, base, check = side_by_side(
-            [lambda: exact(x, ids, weights), lambda: exact.per_expert(x, ids, weights),
+        grouped, compatible, loop, base, check = side_by_side(
+            [lambda: in_block(exact, "exact", x, ids, weights),
+             lambda: in_block(exact, "transformers", x, ids, weights),
+             lambda: in_block(exact, "exact", x, ids, weights, loop=True),
              lambda: bf16(x, ids, weights), lambda: [layer.weights() for layer in layers]],
             REPEATS.get(t, 3))
-        line = (f"| {t} | {grouped * 1e3:.1f} | {loop * 1e3:.1f} | {base * 1e3:.1f} | "
-                f"{grouped / base:.2f} | {grouped / loop:.2f} | {check * 1e3:.1f} |")
+        line = (f"| {t} | {grouped * 1e3:.1f} | {compatible * 1e3:.1f} | {loop * 1e3:.1f} | "
+                f"{base * 1e3:.1f} | {grouped / base:.2f} | {grouped / compatible:.2f} | "
+                f"{grouped / loop:.2f} | {check * 1e3:.1f} |")
         lines.append(line)
         print(line, flush=True)
     Path(args.out).parent.mkdir(exist_ok=True)

@@ -346,6 +346,16 @@ def precision_table(args, kt: KtRawInt4MoE, experts: ExactExperts) -> None:
                   flush=True)
 
 
+def outputs_only(args, experts: ExactExperts, inputs: str, outputs: str) -> int:
+    """kt's y for each (x, ids, weights) of `inputs` (a list, torch.save'd), into `outputs`;
+    the experts are kimi_experts' (seed 0), the ones bench/block_precision.py builds."""
+    cases = torch.load(inputs)
+    kt = KtRawInt4MoE(experts, args.top_k, args.threads, max(x.shape[0] for x, _, _ in cases))
+    torch.save([kt(x.contiguous(), ids.contiguous(), weights.contiguous()).clone()
+                for x, ids, weights in cases], outputs)
+    return 0
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -357,9 +367,14 @@ def main() -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--precision-tokens", type=int, nargs="*", default=[1, 16],
                         help="token counts to measure precision at (float64 truth)")
+    parser.add_argument("--outputs", nargs=2, metavar=("INPUTS", "OUTPUTS"),
+                        help="only kt's outputs, for bench/block_precision.py: each (x, ids, "
+                             "weights) of the torch file INPUTS, kt's y into OUTPUTS")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     experts = kimi_experts(args.experts, args.hidden, args.intermediate)
+    if args.outputs:
+        return outputs_only(args, experts, *args.outputs)
     loop_calls = count_loop_fallbacks(experts)
     held = resident_mib()
     kt = KtRawInt4MoE(experts, args.top_k, args.threads,
