@@ -831,14 +831,18 @@ def test_the_kimi_router_chooses_and_weighs_as_transformers_does(norm, far):
 @pytest.mark.filterwarnings("ignore::exactness.kernels.registry.FallbackWarning")  # at 32 bits
 @pytest.mark.parametrize("act_bits", [16, 32])
 def test_the_kimi_moe_block_adds_its_shared_experts_to_the_routed_sum(act_bits):
-    """KimiMoE = its routed experts' weighted sum (fp32) + its shared experts, rounded once to
-    x's dtype, for x of any leading dimensions; at 32 bits (no grouped kernel holds them) by
-    its per-expert loop."""
+    """KimiMoE = its routed experts' weighted sum + its shared experts, added in block.sums
+    (float64 in the exact block, fp32 in the transformers one) and rounded once to x's dtype,
+    for x of any leading dimensions."""
     block = kimi_moe(act_bits=act_bits)
     x = torch.from_numpy(np.random.default_rng(2).standard_normal((2, 3, 64))).bfloat16()
     flat = x.reshape(-1, 64)
-    want = (block.per_expert(flat, *block.gate(flat)) + block.shared_experts(flat).float())
-    assert torch.equal(block(x), want.to(torch.bfloat16).reshape(2, 3, 64))
+    for kind in glue.BLOCKS:
+        block.block = kind
+        want = block.per_expert(flat, *block.gate(flat)) + block.shared_experts(flat).to(
+            block.sums)
+        want = glue.round_float64(want, torch.bfloat16).reshape(2, 3, 64)
+        assert torch.equal(block(x).view(torch.int16), want.view(torch.int16))
     assert torch.count_nonzero(block.shared_experts(flat)) > 0
 
 
