@@ -7,6 +7,7 @@ scale spread. What only a GPU can show (capture, replay, timing) is bench/gpu_ch
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -21,6 +22,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from exactness import ExactLinear, PackedInt4Linear, dataflow, moe, ops
 from exactness.contract import BFLOAT16, GROUP_SIZE, act_qmax
 from exactness.formats import pack_weights
+from exactness.glue import BLOCKS
 from exactness.kernels import REGISTRY
 from exactness.suite.cases import LinearCase
 from exactness.suite.counterexamples import check_bits
@@ -100,16 +102,16 @@ def never():
 def test_the_moe_call_runs_on_fake_cuda_tensors(act_bits, tokens):
     """The grouped MoE call on fake CUDA tensors, at Kimi's sizes, T = 1, 16 and 128, top-8:
     one exactness::moe_experts op, no read, the per-expert loop never run; experts held
-    elsewhere too (a token routed there is the op's NaN under a trace)."""
+    elsewhere too (a token routed there is the op's NaN under a trace); in both blocks."""
     with FakeTensorMode():
-        for held in (None, (0, 2)):
+        for held, block in itertools.product((None, (0, 2)), BLOCKS):
             experts = fake_experts(4, act_bits=act_bits, held=held)
             x = torch.empty((tokens, 7168), dtype=torch.bfloat16, device="cuda")
             ids = torch.empty((tokens, 2), dtype=torch.int64, device="cuda")
             weights = torch.empty((tokens, 2), dtype=torch.float32, device="cuda")
             y = moe.experts_forward(experts, torch.nn.functional.silu, x, ids, weights,
-                                    torch.bfloat16, never)
-            assert y.shape == (tokens, 7168) and y.is_cuda
+                                    torch.bfloat16, never, block)
+            assert y.shape == (tokens, 7168) and y.is_cuda and y.dtype == torch.bfloat16
 
 
 def graph_targets(fn, *args) -> list[str]:
@@ -274,9 +276,10 @@ def test_the_op_bodies_read_nothing_back(monkeypatch, act_bits):
     buffers = [b for e in experts for layer in (e.gate_proj, e.up_proj, e.down_proj)
                for b in layer.checked_buffers()]
     ids = torch.tensor([[0, 2], [1, 3], [2, 1], [5, 0], [0, 0]], device=device)  # padding, refused
-    with counter:
-        y = moe.device_experts(x[:5], ids, torch.ones(5, 2, device=device), buffers, 4, 16,
-                               torch.bfloat16,
-                               torch.bfloat16, torch.nn.functional.silu)
-    assert counter.reads == [], counter.reads
-    assert y[2].isnan().all() and y[3:].isnan().all() and not y[:2].isnan().any()
+    for exact_block in (False, True):  # the exact block's glue reads nothing either
+        with counter:
+            y = moe.device_experts(x[:5], ids, torch.ones(5, 2, device=device), buffers, 4, 16,
+                                   torch.float32 if exact_block else torch.bfloat16,
+                                   torch.bfloat16, torch.nn.functional.silu, exact_block)
+        assert counter.reads == [], counter.reads
+        assert y[2].isnan().all() and y[3:].isnan().all() and not y[:2].isnan().any()
