@@ -61,10 +61,11 @@ def exact_activation(act_fn: Callable, gate: torch.Tensor, up: torch.Tensor,
                      out: torch.Tensor | None = None) -> torch.Tensor:
     """The exact block's h: act_fn(gate) * up in float64 from fp32 gate and up, rounded once to
     fp32 (into `out` where given). Each element's bits are the same whatever rows share the
-    call: on the CPU every element takes the vector path (on_vector_path), in blocks of rows."""
+    call: on the CPU every element takes the vector path (on_vector_path). In steps of CHUNK
+    elements, so that the float64 temporaries stay small."""
     if out is None:
         out = torch.empty(gate.shape, dtype=torch.float32, device=gate.device)
-    step = max(1, GRAIN_SIZE // max(1, gate.shape[1]))
+    step = max(1, CHUNK // max(1, gate.shape[1]))
     for start in range(0, gate.shape[0], step):
         rows = slice(start, start + step)
         g = gate[rows].to(torch.float64)
