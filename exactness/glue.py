@@ -93,17 +93,22 @@ def round_float64(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     through fp32, twice, which can land on the wrong side of a midpoint; here the fp32 step
     rounds to odd (an inexact result takes the neighbour whose last bit is 1), which keeps
     every bit the second rounding needs (fp32 has at least 2 bits more than bf16 and fp16,
-    at every exponent). Elementwise, on any device; tied to formats.round_scaled by
-    tests/test_moe.py."""
+    at every exponent). A NaN comes out as the canonical quiet NaN: an invalid operation's NaN
+    (inf - inf) takes its sign from the CPU or GPU and from the order a compiler put the
+    operands in. Elementwise, on any device; tied to formats.round_scaled by
+    tests/test_exact_block.py."""
     if dtype in (torch.float64, torch.float32):
-        return t.to(dtype)
-    nearest = t.to(torch.float32)
-    inexact = nearest.to(torch.float64) != t
-    even = (nearest.view(torch.int32) & 1) == 0
-    toward = torch.where(t > nearest.to(torch.float64), math.inf, -math.inf).to(torch.float32)
-    odd = torch.where(inexact & even & nearest.isfinite(), torch.nextafter(nearest, toward),
-                      nearest)
-    return odd.to(dtype)
+        rounded = t.to(dtype)
+    else:
+        nearest = t.to(torch.float32)
+        inexact = nearest.to(torch.float64) != t
+        even = (nearest.view(torch.int32) & 1) == 0
+        toward = torch.where(t > nearest.to(torch.float64), math.inf, -math.inf).to(
+            torch.float32)
+        odd = torch.where(inexact & even & nearest.isfinite(),
+                          torch.nextafter(nearest, toward), nearest)
+        rounded = odd.to(dtype)
+    return torch.where(rounded.isnan(), math.nan, rounded)
 
 
 def weighted_sum(rows: torch.Tensor, routing: Routing, top_k_weights: torch.Tensor,

@@ -72,6 +72,22 @@ def test_torchs_own_conversion_rounds_twice_where_the_block_does_not(dtype):
     assert tensor_to_bits(glue.round_float64(t, dtype))[0] == rne(value, fmt)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32],
+                         ids=["bfloat16", "float16", "float32"])
+def test_the_blocks_nan_is_the_canonical_one_whatever_made_it(dtype):
+    """inf - inf gives a NaN whose sign depends on the machine and the operands' order (x86's
+    is negative): the block's one rounding makes every NaN the canonical quiet NaN, so that the
+    CPU and a GPU give the same bits."""
+    t = torch.tensor([math.inf, -math.inf, 1.0, math.nan], dtype=torch.float64)
+    invalid = t[:1] + t[1:2]  # this machine's own NaN
+    values = torch.cat([invalid, -invalid, torch.tensor([math.nan, -math.nan, 1.5],
+                                                        dtype=torch.float64)])
+    got = tensor_to_bits(glue.round_float64(values, dtype)).tolist()
+    fmt = {torch.bfloat16: BFLOAT16, torch.float16: FLOAT16, torch.float32: FLOAT32}[dtype]
+    assert got == [rne(v, fmt) for v in values.tolist()]
+    assert got[:4] == [fmt.inf_bits | (1 << (fmt.mant_bits - 1))] * 4
+
+
 def test_an_fp32_times_an_fp32_is_exact_in_float64():
     """Why the block's terms y * w are exact in float64: 24 + 24 significant bits fit in 53,
     and the products of fp32's extremes stay inside float64's normal range."""

@@ -321,7 +321,7 @@ C_AND_MOE = (
            (EXACT_BLOCK + "test_the_exact_blocks_h_gives_each_element_the_same_bits_anywhere",
             moe_block("cpu"))),
     Mutant("exact-block-rounded-twice", at(glue.round_float64),
-           "return odd.to(dtype)", "return t.to(dtype)",
+           "rounded = odd.to(dtype)", "rounded = t.to(dtype)",
            "the block's float64 sum rounded to bf16 through fp32, twice (torch's own .to)",
            (EXACT_BLOCK + "test_the_blocks_one_rounding_is_the_contracts_rne[bfloat16]",
             EXACT_BLOCK + "test_the_blocks_one_rounding_is_the_contracts_rne[float16]")),
