@@ -41,7 +41,14 @@ if __name__ == "__main__":
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from bench.kt_peer import cpu_line, dequantized64, kimi_experts, routing, truth64  # noqa: E402
+from bench.kt_peer import (  # noqa: E402
+    cpu_line,
+    dequantized64,
+    kimi_experts,
+    routing,
+    truth64,
+    ulps,
+)
 from exactness.glue import round_float64  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,15 +58,9 @@ COLUMNS = ("= RNE", "<= 0.5 ulp", "<= 1 ulp", "median", "p99", "max", "sign flip
 
 def statistics(y: torch.Tensor, truth: torch.Tensor) -> dict:
     """y's distance from the float64 truth, in bf16 ulps at the true value (COLUMNS)."""
-    t = truth.double().flatten()
-    y64 = y.double().flatten()
     rne = round_float64(truth, torch.bfloat16).flatten()
-    flips = (torch.sign(y64) * torch.sign(t)) < 0
-    keep = ~flips
-    top = torch.floor(torch.log2(t.abs().clamp_min(2.0 ** -126)))
-    ulp = torch.exp2(top.clamp_min(-126) - 7)
-    err = ((y64 - t).abs() / ulp)[keep].numpy()
-    err = np.where(np.isfinite(err), err, np.inf)
+    flips = ((torch.sign(y.double()) * torch.sign(truth.double())) < 0).flatten()
+    err = ulps(y, truth)[~flips.numpy()]
     return {"= RNE": 100 * float((y.flatten().view(torch.int16) == rne.view(torch.int16))
                                  .double().mean()),
             "<= 0.5 ulp": 100 * float(np.mean(err <= 0.5)),
@@ -128,12 +129,6 @@ def plot(errors: dict, file: Path, title: str) -> None:
     ax.legend()
     fig.tight_layout()
     fig.savefig(file, dpi=120)
-
-
-def ulp_errors(y: torch.Tensor, truth: torch.Tensor) -> np.ndarray:
-    t = truth.double().flatten()
-    ulp = torch.exp2(torch.floor(torch.log2(t.abs().clamp_min(2.0 ** -126))).clamp_min(-126) - 7)
-    return ((y.double().flatten() - t).abs() / ulp).numpy()
 
 
 # ---------------------------------------------------------------- the model level
@@ -286,7 +281,7 @@ def main() -> int:
             lines.append(row(t, side, bits, statistics(y, truth)))
             print(lines[-1], flush=True)
             if t == max(args.tokens) and bits in ("-", str(max(args.act_bits))):
-                curves[side] = ulp_errors(y, truth)
+                curves[side] = ulps(y, truth)
     lines += model_level()
     args.out.mkdir(exist_ok=True)
     (args.out / "block_precision.md").write_text("\n".join(lines) + "\n")
