@@ -137,7 +137,7 @@ def weighted_sum(rows: torch.Tensor, routing: Routing, top_k_weights: torch.Tens
         weight = weight.to(torch.float64)
     for j in range(top_k):
         picked = rows.index_select(0, torch.where(routed[:, j], row[:, j], 0))
-        term = (picked.to(sums) if exact else picked) * weight[:, j, None]
+        term = picked * weight[:, j, None]  # exact block: float64 by promotion, exact
         out += torch.where(routed[:, j, None], term.to(sums), 0)
     return round_float64(out, dtype) if exact else out
 
