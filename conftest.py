@@ -9,6 +9,9 @@ import sys
 
 import pytest
 
+# tests/vllm/ runs in vLLM's venv, with its own pytest set-up (make test-vllm), not here
+collect_ignore = ["tests/vllm"]
+
 # OpenMP's threads sleep when idle, not spin (set before torch loads libgomp; inherited by the
 # xdist workers and every child). Two workers on two cores each run the C kernels and torch on
 # two threads: spinning, a worker's idle threads took the core the other worker's kernel was

@@ -3,7 +3,7 @@ them: the Triton kernel against the reference; a non-finite x's rows NaN; the fo
 and replayed at Kimi's sizes, eager and reference bits, also after weights (a slow row) and x (a
 NaN row) are written in place (capture_check); no sync in a forward or an MoE call
 (sync_check); the MoE experts captured, new routing written in place (moe_capture_check); the
-host's time beyond the kernels' (host_overhead). Then timings (CUDA events, medians): kernel vs
+vLLM plugin's op over stacked experts captured (stacked_capture_check); the host's time beyond the kernels' (host_overhead). Then timings (CUDA events, medians): kernel vs
 bf16 matmul, the group and folded paths, each also from a CUDA graph, the quantization and the
 group kernel's tiles; the MoE experts vs the per-expert loop and bf16, read-backs counted
 (moe_check); a checkpoint streamed to the GPU (load_check). Prints tables; exit 1 on any
@@ -149,7 +149,8 @@ def main(argv: list[str] | None = None) -> int:
     if "exact" in parts:
         bad += exact_check()
     if "capture" in parts:
-        for check in (capture_check, sync_check, moe_capture_check, host_overhead):
+        for check in (capture_check, sync_check, moe_capture_check, stacked_capture_check,
+                      host_overhead):
             bad += guarded(check)  # before the long tables: a run cut short still reports these
     if "memcheck" in parts:
         bad += memcheck_shapes()
@@ -470,6 +471,46 @@ def moe_capture_check(experts: int = 16, tokens=(1, 16, 128)) -> int:
         bad += failed
         print(f"| {t}, {block} | {row} |")
     exact.block = "exact"
+    return bad
+
+
+def stacked_capture_check(experts: int = 16, tokens=(1, 16)) -> int:
+    """The vLLM plugin's op (exactness::stacked_experts) over the experts stacked as vLLM holds
+    them, as its apply calls it: captured and replayed, the eager call's bits and the per-expert
+    loop's; no read-back in a call. (vLLM itself is not on the GPU machine.) Returns failures."""
+    from exactness import stacked
+
+    exact, bad = exact_experts(experts), 0
+    tensors = {"w13_packed": torch.stack([torch.cat([e.gate_proj.weight_packed,
+                                                     e.up_proj.weight_packed]) for e in exact]),
+               "w13_scale": torch.stack([torch.cat([e.gate_proj.weight_scale,
+                                                    e.up_proj.weight_scale]) for e in exact]),
+               "w2_packed": torch.stack([e.down_proj.weight_packed for e in exact]),
+               "w2_scale": torch.stack([e.down_proj.weight_scale for e in exact])}
+    print("| stacked_experts (the vLLM plugin's op): T, block | read-backs a call | replay = "
+          "eager = per-expert |")
+    for t, block in itertools.product(tokens, ("exact", "transformers")):
+        exact.block = block
+        try:
+            x, ids, weights = routed(t, experts, t)
+
+            def call():
+                return torch.ops.exactness.stacked_experts(
+                    x, ids.int(), weights, *tensors.values(), 16, block, f"gpu-check-{block}")
+            call()  # compilation, weight_shape's one read
+            with reads_counted() as reads:
+                eager = call()
+            graph, y = captured(call)
+            graph.replay()
+            results = [str(len(reads)) if not reads else f"FAILED: {len(reads)}",
+                       same(y, eager) and same(eager, exact.per_expert(x, ids, weights))]
+        except Exception as error:
+            results = [f"FAILED: {type(error).__name__}: {str(error)[:120]}"]
+        failed, row = cells(results)
+        bad += failed
+        print(f"| {t}, {block} | {row} |")
+    exact.block = "exact"
+    stacked.forget()
     return bad
 
 

@@ -4,7 +4,7 @@ grouped MoE kernels'."""
 
 from __future__ import annotations
 
-from ... import formats, glue, kimi, moe, quantize
+from ... import formats, glue, kimi, moe, quantize, stacked
 from ...kernels.cpu import gemm, vnni_layout
 from ...kernels.triton import grouped as triton_grouped
 from .targets import (
@@ -34,6 +34,8 @@ from .targets import (
     moe_block,
     triton_at,
 )
+
+STACKED = "tests/test_stacked.py::"
 
 C_AND_MOE = (
     # --- the C kernel (cpu_vnni.c), the CPU path's production code
@@ -330,4 +332,17 @@ C_AND_MOE = (
            "the exact block's weighted terms and their sum in fp32",
            (EXACT_BLOCK + "test_the_exact_weighted_sum_is_a_float64_sum_rounded_once[float32]",
             moe_block("cpu"))),
+    # --- the experts held stacked, as vLLM holds them (exactness.stacked, the vLLM plugin's op)
+    Mutant("stacked-up-rows-read-as-gate", at(stacked.experts_of),
+           "(expert.gate_proj, slice(0, inter))", "(expert.gate_proj, slice(inter, 2 * inter))",
+           "a stacked layout's halves taken wrong: gate's view over up's rows",
+           (STACKED + "test_the_stacked_op_gives_the_experts_own_bits[exact]",)),
+    Mutant("stacked-views-kept-past-a-new-tensor", at(stacked.experts_of),
+           "key = tuple((t.data_ptr(), ", "key = tuple((0, ",
+           "the views' cache keyed without the storage they read: a reloaded tensor unseen",
+           (STACKED + "test_the_views_read_the_stacked_tensors_in_place",)),
+    Mutant("stacked-fake-in-fp32", at(stacked._fake),
+           "return torch.empty_like(x)", "return torch.empty_like(x, dtype=torch.float32)",
+           "the op's fake sizes a trace's output in another dtype than the op gives",
+           (STACKED + "test_the_stacked_ops_fake_agrees_with_it[5]",)),
 )
