@@ -237,23 +237,33 @@ def test_each_c_build_is_in_use_where_the_cpu_has_it():
 
 
 def test_the_plan_takes_the_avx2_kernel_where_vnni_is_missing_and_says_so(monkeypatch):
-    """On a CPU without AVX-512 VNNI (EPYC Rome, Milan) the plan takes the AVX2 build, and the
-    one warning names what the CPU lacks and what runs instead."""
+    """On a CPU without AVX-512 VNNI (EPYC Rome, Milan) the plan takes the AVX2 build, the right
+    kernel there: no warning (issue 75), and plan(x) names what the CPU lacks. A refused
+    AVX-512 build on a CPU that has the ISA is a real fallback: its one warning says why and
+    what runs instead."""
     skip_unless_here("avx2-limbs")
-    missing = no("the CPU lacks avx512_vnni")
-    monkeypatch.setattr(vnni_library.AVX512, "status", lambda: (None, missing))
     monkeypatch.setattr(vnni_library.AVX512, "emulated", lambda: False)  # as a user's machine
-    monkeypatch.setattr(ops, "PLANS", {})  # the forwards' plans, made on this machine
-    registry.warn_fallback.cache_clear()
     w, x = torch.randn(40, 64), torch.randn(3, 64).bfloat16()
-    layer = ExactLinear.from_weight(w)
-    with pytest.warns(registry.FallbackWarning, match=r"\(AVX-512 VNNI\) is not used: the CPU "
-                                                      r"lacks avx512_vnni; its AVX2 build runs"):
-        plan = layer.plan(x)
-    assert plan.kernel.name == "avx2-limbs"
-    assert ("vnni-limbs", "the CPU lacks avx512_vnni") in plan.passed_over
-    wide = ExactLinear.from_weight(w, kernel="wide")
-    assert torch.equal(layer(x).view(torch.int16), wide(x).view(torch.int16))
+    for why, lacks in (("the CPU lacks avx512_vnni", ["avx512_vnni"]),
+                       ("its self-check failed on cpu_kernel_avx512.c", [])):
+        monkeypatch.setattr(vnni_library.AVX512, "status", lambda why=why: (None, no(why)))
+        monkeypatch.setattr(vnni_library.AVX512, "missing_features", lambda lacks=lacks: lacks)
+        monkeypatch.setattr(ops, "PLANS", {})  # the forwards' plans, made on this machine
+        registry.warn_fallback.cache_clear()
+        layer = ExactLinear.from_weight(w)
+        with warnings.catch_warnings(record=True) as said:
+            warnings.simplefilter("always")
+            plan = layer.plan(x)
+        fallbacks = [str(m.message) for m in said if m.category is registry.FallbackWarning]
+        if lacks:
+            assert fallbacks == []
+        else:
+            assert fallbacks == [f"the C kernel (AVX-512 VNNI) is not used: {why}; its AVX2 "
+                                 f"build runs instead"]
+        assert plan.kernel.name == "avx2-limbs"
+        assert ("vnni-limbs", why) in plan.passed_over
+        wide = ExactLinear.from_weight(w, kernel="wide")
+        assert torch.equal(layer(x).view(torch.int16), wide(x).view(torch.int16))
     registry.warn_fallback.cache_clear()
 
 

@@ -48,8 +48,11 @@ class _VnniKernel:
         lib, why = self.build.status()
         if lib is None:
             instead = vnni_library.instead_of(self.build)
-            warn_fallback(f"the C kernel ({self.build.what})", why.why,
-                          *([f"its {instead.what} build runs instead"] if instead else []))
+            # a CPU without the ISA, whose best build runs: the right kernel, nothing to warn
+            # of (plan(x) still says why); a refused build, or none running, is a fallback
+            if not (instead and self.build.missing_features()):
+                warn_fallback(f"the C kernel ({self.build.what})", why.why,
+                              *([f"its {instead.what} build runs instead"] if instead else []))
         return why
 
     def eligible(self, rows: int, weights: Weights) -> Fit:
