@@ -3,13 +3,14 @@ them: the Triton kernel against the reference; a non-finite x's rows NaN; the fo
 and replayed at Kimi's sizes, eager and reference bits, also after weights (a slow row) and x (a
 NaN row) are written in place (capture_check); no sync in a forward or an MoE call
 (sync_check); the MoE experts captured, new routing written in place (moe_capture_check); the
-vLLM plugin's op over stacked experts captured (stacked_capture_check); the host's time beyond the kernels' (host_overhead). Then timings (CUDA events, medians): kernel vs
-bf16 matmul, the group and folded paths, each also from a CUDA graph, the quantization and the
-group kernel's tiles; the MoE experts vs the per-expert loop and bf16, read-backs counted
-(moe_check); a checkpoint streamed to the GPU (load_check). Prints tables; exit 1 on any
-differing bit, a non-finite x let through, a failed capture or a read-back; 3 without CUDA
-(nothing checked: unknown). `--parts` runs some of it: exact, capture, tables (the default: all
-three), memcheck (a few shapes once, for compute-sanitizer: bench/gpu_check.sh)."""
+vLLM plugin's op over stacked experts captured (stacked_capture_check); the host's time beyond
+the kernels' (host_overhead). Then timings (CUDA events, medians): kernel vs bf16 matmul, the
+group and folded paths, each also from a CUDA graph, the quantization and the group kernel's
+tiles; the MoE experts vs the per-expert loop and bf16, read-backs counted (moe_check); a
+checkpoint streamed to the GPU (load_check). Prints tables; exit 1 on any differing bit, a
+non-finite x let through, a failed capture or a read-back; 3 without CUDA (nothing checked:
+unknown). `--parts` runs some of it: exact, capture, tables (the default: all three), memcheck
+(a few shapes once, for compute-sanitizer: bench/gpu_check.sh)."""
 
 from __future__ import annotations
 

@@ -41,14 +41,6 @@ def config(layers: int, experts: int) -> dict:
                 topk_method="noaux_tc", bos_token_id=0, eos_token_id=1)
 
 
-QUANT_CONFIG = {
-    "quant_method": "compressed-tensors", "format": "pack-quantized",
-    "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized", "weights": {
-        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}},
-    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
-               r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]}
-
-
 def write_checkpoints(root: Path, layers: int, experts: int) -> tuple[Path, Path]:
     """(int4, bf16): the same random model, its routed experts int4 in Kimi's format in one and
     dequantized to bf16 in the other. Kept in `root` for the next run."""
@@ -57,6 +49,7 @@ def write_checkpoints(root: Path, layers: int, experts: int) -> tuple[Path, Path
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     from exactness.formats import pack_weights
+    from exactness.kimi.checkpoint import KIMI_QUANTIZATION_CONFIG
 
     int4, bf16 = root / f"int4-{layers}x{experts}", root / f"bf16-{layers}x{experts}"
     if (int4 / "config.json").exists() and (bf16 / "config.json").exists():
@@ -97,7 +90,8 @@ def write_checkpoints(root: Path, layers: int, experts: int) -> tuple[Path, Path
     save_file(shared | dequantized, str(bf16 / "model.safetensors"))
     common = {"model_type": "kimi_k2", "architectures": ["DeepseekV3ForCausalLM"],
               "torch_dtype": "bfloat16", **cfg}
-    (int4 / "config.json").write_text(json.dumps(common | {"quantization_config": QUANT_CONFIG}))
+    (int4 / "config.json").write_text(json.dumps(common | {
+        "quantization_config": KIMI_QUANTIZATION_CONFIG}))
     (bf16 / "config.json").write_text(json.dumps(common))
     return int4, bf16
 

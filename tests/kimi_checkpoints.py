@@ -12,16 +12,12 @@ from compressed_tensors.compressors.pack_quantized.base import PackedQuantizatio
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
 from safetensors.torch import save_file
 
+from exactness.kimi.checkpoint import KIMI_QUANTIZATION_CONFIG
 from tests.shards import write_shards
 
 SCHEME = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
     num_bits=4, type="int", symmetric=True, strategy="group", group_size=32))
-QUANT_CONFIG = {
-    "quant_method": "compressed-tensors", "format": "pack-quantized",
-    "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized", "weights": {
-        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32}}},
-    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
-               r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]}
+QUANT_CONFIG = KIMI_QUANTIZATION_CONFIG
 
 
 def compressed(w: torch.Tensor) -> dict:

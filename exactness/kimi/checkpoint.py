@@ -28,6 +28,14 @@ SHARED_OR_DENSE = re.compile(LAYERS + r"(?:shared_experts\.)?(gate|up|down)_proj
 PACKED_KEYS = ("weight_packed", "weight_scale", "weight_shape")
 EXPECTED_WEIGHTS = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
                     "group_size": 32}
+# Kimi K2's quantization_config as it ships: the routed experts int4, every other Linear bf16
+# (what check_quantization_config accepts; the tests' and benchmarks' checkpoints write it)
+KIMI_QUANTIZATION_CONFIG = {
+    "quant_method": "compressed-tensors", "format": "pack-quantized",
+    "config_groups": {"group_0": {"targets": ["Linear"], "format": "pack-quantized",
+                                  "weights": dict(EXPECTED_WEIGHTS)}},
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+               r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"]}
 
 def check_quantization_config(config: dict, where: str) -> None:
     """Refuse anything but int4 symmetric group-32 pack-quantized compressed-tensors, on the
