@@ -21,15 +21,23 @@ from .kernels import REGISTRY, Plan, Weights, plan
 from .kernels.registry import ENV
 from .kernels.wide import WIDE, splice_slow_rows
 
-PLANS: dict = {}  # plans depend on the widths and shapes alone, never the buffers' values
+PLANS: dict = {}  # by plan_key: the widths, shapes and switches, never the buffers' values
+SWITCHES = ("EXACTNESS_NATIVE", "EXACTNESS_AMX")  # which C builds may run (the builds' status)
+
+
+def plan_key(family: str, device: torch.device, rows: int, weights: Weights,
+             forced: str | None) -> tuple:
+    """What a plan depends on: the family, device, rows, the kernel forced on the layer or by
+    EXACTNESS_KERNEL, the shape and widths, and the C builds' switches. (The builds' status is
+    judged once a process: docs/VERIFY.md, the register of the caches.)"""
+    return (family, device, rows, forced, os.environ.get(ENV), weights.n, weights.k,
+            weights.bits, weights.act_bits, *(os.environ.get(s) for s in SWITCHES))
 
 
 def planned(family: str, device: torch.device, rows: int, weights: Weights,
             forced: str | None) -> Plan:
-    """registry.plan, kept per (family, device, rows, forced kernel, EXACTNESS_KERNEL, shape,
-    widths): a forward plans without walking the registry."""
-    key = (family, device, rows, forced, os.environ.get(ENV), weights.n, weights.k,
-           weights.bits, weights.act_bits)
+    """registry.plan, kept per plan_key: a forward plans without walking the registry."""
+    key = plan_key(family, device, rows, weights, forced)
     if key not in PLANS:
         if len(PLANS) > 4096:  # many batch sizes and layers: keep the cache bounded
             PLANS.clear()

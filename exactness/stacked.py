@@ -71,8 +71,7 @@ def experts_of(name: str, tensors: dict[str, torch.Tensor], act_bits: int = DEFA
                block: str = "exact") -> ExactExperts:
     """Layer `name`'s ExactExperts over views of its stacked tensors (the module's doc): the
     ones kept for it, unless anything they were built from has changed."""
-    key = tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
-                for t in (tensors[k] for k in STACKED_KEYS)) + (act_bits, block)
+    key = view_key(tensors, act_bits, block)
     with _LOCK:
         kept = _VIEWS.get(name)
         if kept is not None and kept[0] == key:
@@ -96,6 +95,14 @@ def experts_of(name: str, tensors: dict[str, torch.Tensor], act_bits: int = DEFA
     with _LOCK:
         _VIEWS[name] = (key, module)
     return module
+
+
+def view_key(tensors: dict[str, torch.Tensor], act_bits: int, block: str) -> tuple:
+    """What a layer's views are built from: each stacked tensor's storage (kept alive by the
+    views, so its address is not reused while they are kept), shape, strides, dtype and device,
+    and the widths and block."""
+    return tuple((t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device)
+                 for t in (tensors[k] for k in STACKED_KEYS)) + (act_bits, block)
 
 
 def forget(name: str | None = None) -> None:

@@ -12,6 +12,7 @@ import fcntl
 import functools
 import hashlib
 import os
+import shutil
 import stat
 import subprocess
 import tempfile
@@ -93,9 +94,27 @@ def compiler() -> str:
     return os.environ.get("CC", "cc")
 
 
+@functools.cache
+def compiler_identity(cc: str) -> str:
+    """Which compiler `cc` is: its path and the first line of `cc --version` (another GCC at the
+    same name builds other bytes). Asked once a process per name; "" where it does not answer
+    (the build then fails and says so)."""
+    path = shutil.which(cc) or cc
+    try:
+        done = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f"{os.path.realpath(path)} {done.stdout.partition(chr(10))[0]}"
+
+
 def cache_key(source: str, flags: list[str]) -> str:
-    """The cached library's name: the hash of what was compiled, and how (by which compiler)."""
-    return hashlib.sha256((source + " ".join([compiler(), *flags])).encode()).hexdigest()[:16]
+    """The cached library's name: the hash of what was compiled (the source, every project
+    header inlined: vnni_library, amx_library), and how: the compiler (its name, path and
+    version) and every flag (SIMDe's version among them where emulated). The register of the
+    caches: docs/VERIFY.md."""
+    cc = compiler()
+    how = "\0".join([cc, compiler_identity(cc), *flags])
+    return hashlib.sha256((source + "\0" + how).encode()).hexdigest()[:16]
 
 
 def cache_dir() -> tuple[Path | None, Fit]:

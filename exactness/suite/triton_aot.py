@@ -186,6 +186,12 @@ def configurations(quick: bool = False) -> list[tuple[str, str, dict, dict]]:
     return configs
 
 
+def record_key(tool, arch: int, data: bytes) -> str:
+    """What a record depends on: the tool (its path and version: Triton's NvidiaTool), the
+    architecture and the PTX or cubin bytes."""
+    return hashlib.sha256(b"\0".join([str(tool).encode(), str(arch).encode(), data])).hexdigest()
+
+
 def _remembered(tool, arch: int, data: bytes, compute):
     """compute(), a JSON value of one PTX or cubin by one of the CUDA tools, kept in the kernels'
     cache keyed by the tool, its version and the bytes: ptxas and cuobjdump take about 0.2 and
@@ -195,8 +201,7 @@ def _remembered(tool, arch: int, data: bytes, compute):
     cache, _ = cache_dir()
     if cache is None:
         return compute()
-    key = hashlib.sha256(b"\0".join([str(tool).encode(), str(arch).encode(), data])).hexdigest()
-    file = cache / f"triton-aot-{key[:24]}.json"
+    file = cache / f"triton-aot-{record_key(tool, arch, data)[:24]}.json"
     with contextlib.suppress(OSError, ValueError):
         return json.loads(file.read_text())
     value = compute()

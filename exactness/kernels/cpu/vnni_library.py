@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import importlib.metadata
 from pathlib import Path
 
 from .. import first_run, toolchain
@@ -122,8 +123,11 @@ class Build:
         except ImportError:
             return None, [], no("EXACTNESS_NATIVE=emulate needs SIMDe's headers: pip install "
                                 "simde-py")
+        # SIMDe's headers are found by path, not inlined: their version keys the build
+        version = importlib.metadata.version("simde-py")
         return (source.replace("#include <immintrin.h>", EMULATION.read_text(), 1),
-                [*EMULATED_FLAGS, f"-I{simde_py.get_include()}"], yes("emulated AVX-512"))
+                [*EMULATED_FLAGS, f"-I{simde_py.get_include()}", f"-DEXACTNESS_SIMDE={version}"],
+                yes("emulated AVX-512"))
 
     def build(self, source: str | None = None,
               extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, Fit]:

@@ -18,9 +18,13 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository
-WATCHED = ("exactness/kernels", "exactness/dataflow.py", "exactness/formats.py",
-           "exactness/quantize.py", "exactness/modules.py", "exactness/suite/reference.py",
-           "proofs")
+# the kernels and every product file whose arithmetic they are proved against or that decides a
+# forward's bits (the contract's constants, the op and its slow-row splice, the MoE glue);
+# not the suite's tests and strategies, which the ci profile runs on every change
+WATCHED = ("exactness/kernels", "exactness/contract.py", "exactness/dataflow.py",
+           "exactness/formats.py", "exactness/quantize.py", "exactness/modules.py",
+           "exactness/ops.py", "exactness/glue.py", "exactness/moe.py", "exactness/stacked.py",
+           "exactness/suite/reference.py", "proofs")
 THOROUGH_STAMP = Path(".ci/thorough-verified")
 
 

@@ -4,7 +4,8 @@ grouped MoE kernels'."""
 
 from __future__ import annotations
 
-from ... import formats, glue, kimi, moe, quantize, stacked
+from ... import formats, glue, kimi, moe, ops, quantize, stacked
+from ...kernels import first_run, toolchain
 from ...kernels.cpu import gemm, vnni_layout
 from ...kernels.triton import grouped as triton_grouped
 from .targets import (
@@ -36,6 +37,7 @@ from .targets import (
 )
 
 STACKED = "tests/test_stacked.py::"
+KEYS = "tests/test_cache_keys.py::test_each_input_of_each_cache_changes_its_key["
 
 C_AND_MOE = (
     # --- the C kernel (cpu_vnni.c), the CPU path's production code
@@ -337,10 +339,31 @@ C_AND_MOE = (
            "(expert.gate_proj, slice(0, inter))", "(expert.gate_proj, slice(inter, 2 * inter))",
            "a stacked layout's halves taken wrong: gate's view over up's rows",
            (STACKED + "test_the_stacked_op_gives_the_experts_own_bits[exact]",)),
-    Mutant("stacked-views-kept-past-a-new-tensor", at(stacked.experts_of),
-           "key = tuple((t.data_ptr(), ", "key = tuple((0, ",
+    Mutant("stacked-views-kept-past-a-new-tensor", at(stacked.view_key),
+           "(t.data_ptr(), tuple(t.shape)", "(0, tuple(t.shape)",
            "the views' cache keyed without the storage they read: a reloaded tensor unseen",
-           (STACKED + "test_the_views_read_the_stacked_tensors_in_place",)),
+           (STACKED + "test_the_views_read_the_stacked_tensors_in_place",
+            KEYS + "stacked-views-stacked-view-key--the-storage]")),
+    # --- a cache keyed without one of its inputs (issue 75): the register's rows
+    Mutant("c-build-keyed-without-its-flags", at(toolchain.cache_key),
+           "how = \"\\0\".join([cc, compiler_identity(cc), *flags])",
+           "how = \"\\0\".join([cc, compiler_identity(cc)])",
+           "the C build cache keyed without its compile flags: -O0 or a -D reuses a library",
+           (KEYS + "c-build-toolchain-cache-key-avx2--a-flag-added]",)),
+    Mutant("c-build-keyed-without-the-compilers-version", at(toolchain.cache_key),
+           "how = \"\\0\".join([cc, compiler_identity(cc), *flags])",
+           "how = \"\\0\".join([cc, *flags])",
+           "the C build cache keyed by the compiler's name only: another GCC reuses a library",
+           (KEYS + "c-build-toolchain-cache-key-avx2--the-compiler-s-version]",)),
+    Mutant("plans-keyed-without-the-build-switches", at(ops.plan_key),
+           "weights.bits, weights.act_bits, *(os.environ.get(s) for s in SWITCHES))",
+           "weights.bits, weights.act_bits)",
+           "a plan kept past EXACTNESS_NATIVE or EXACTNESS_AMX changing",
+           (KEYS + "plans-ops-plan-key--exactness-native]",)),
+    Mutant("first-run-verdict-keyed-without-the-cpu", at(first_run._key),
+           "(digest, check, machine, _code(check))", "(digest, check, _code(check))",
+           "a first-run verdict of one CPU recalled on another",
+           (KEYS + "first-run-verdicts-first-run-key--the-cpu-s-flags]",)),
     Mutant("stacked-fake-in-fp32", at(stacked._fake),
            "return torch.empty_like(x)", "return torch.empty_like(x, dtype=torch.float32)",
            "the op's fake sizes a trace's output in another dtype than the op gives",
