@@ -250,3 +250,66 @@ def test_a_constant_changed_in_a_helper_gives_the_next_process_new_bits(tmp_path
         assert got == [[times, 1 + step, 1 + bias], 0]
     assert _probe(tmp_path, plant) == [[5, 21, 201], 1]  # unchanged: recalled
     assert plant == "none", "the planted blind name was not caught"
+
+
+def _env_probe_kernels(root: Path) -> None:
+    """Kernels reading a module-level tl.constexpr set from the environment, the file unchanged
+    between processes: through a module (envprobe.limits.LIMIT) and as a global imported from
+    another module (SHIFT)."""
+    (root / "envprobe").mkdir(parents=True, exist_ok=True)
+    (root / "envprobe" / "__init__.py").write_text("")
+    (root / "envprobe" / "limits.py").write_text(
+        "import os\nimport triton.language as tl\n"
+        "LIMIT = tl.constexpr(int(os.environ['PROBE_LIMIT']))\n"
+        "SHIFT = tl.constexpr(int(os.environ['PROBE_LIMIT']) // 10)\n")
+    (root / "envprobe" / "kernels.py").write_text(
+        "import triton\nimport triton.language as tl\nimport envprobe.limits\n"
+        "from envprobe.limits import SHIFT\n"
+        "@triton.jit\ndef kernel(x_ptr, y_ptr, N: tl.constexpr):\n"
+        "    offs = tl.arange(0, N)\n"
+        "    x = tl.load(x_ptr + offs)\n"
+        "    tl.store(y_ptr + offs, x + envprobe.limits.LIMIT)\n"
+        "    tl.store(y_ptr + N + offs, x + SHIFT)\n")
+
+
+_ENV_PROBE_CHILD = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+from exactness.suite import device
+from exactness.suite.interpreter import replay as interpreter_replay
+from exactness.suite.interpreter import store as interpreter_store
+if sys.argv[2] == "blind":  # planted: a constexpr named without its value
+    named = interpreter_store.content
+    interpreter_store.content = lambda value, strict, depth=0: (
+        "constexpr" if type(value).__name__ == "constexpr" else named(value, strict, depth))
+import envprobe.kernels
+x, y = torch.arange(1, 5, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
+envprobe.kernels.kernel[(1,)](x, y, N=4)
+print(json.dumps([y.tolist()[::4], interpreter_replay.stats["recalled"]]))
+"""
+
+
+@pytest.mark.parametrize("plant", ["none", "blind"])
+def test_a_constexpr_set_from_the_environment_gives_the_next_process_new_bits(tmp_path, plant):
+    """Issue 75: a module-level tl.constexpr whose value comes from the environment, its file
+    unchanged, is named by its value: the next process with another value computes the new
+    bits, never the last process's. Planted: a constexpr named without its value, caught."""
+    _env_probe_kernels(tmp_path / "src")
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
+           "EXACTNESS_DEVICE": "interpret", "PYTHONDONTWRITEBYTECODE": "1"}
+
+    def probe(limit: int) -> list:
+        child = subprocess.run([sys.executable, "-c", _ENV_PROBE_CHILD, str(tmp_path / "src"),
+                                plant], cwd=ROOT, env={**env, "PROBE_LIMIT": str(limit)},
+                               capture_output=True, text=True, timeout=300)
+        assert child.returncode == 0, child.stderr[-2000:]
+        return json.loads(child.stdout.splitlines()[-1])
+
+    assert probe(1000) == [[1001, 101], 0]
+    assert probe(1000) == [[1001, 101], 1]  # the same value: recalled
+    got = probe(2000)
+    if plant == "blind":
+        assert got != [[2001, 201], 0], "the planted blind constexpr was not caught"
+        return
+    assert got == [[2001, 201], 0]

@@ -14,7 +14,8 @@ import torch
 from tests.vllm import engine, kimi_tiny, reference
 
 MODES = [("eager", "exact"), ("compiled", "exact"), ("eager", "transformers"),
-         ("compiled", "transformers")]
+         ("compiled", "transformers"), ("avx2", "exact")]  # avx2: eager, the AVX2 build forced
+KERNELS = {"avx2": "avx2-grouped"}  # EXACTNESS_KERNEL of a mode: every x86-64 CPU's build
 
 
 def has_amx() -> bool:
@@ -35,7 +36,9 @@ def runs(model, tmp_path_factory):
         if (mode, block) not in made:
             out = tmp_path_factory.mktemp(f"{mode}-{block}")
             args = ["--block", block] + (["--compile"] if mode == "compiled" else [])
-            done = engine.run(model, out, *args, env={"VLLM_DISABLE_COMPILE_CACHE": "1"})
+            kernel = {"EXACTNESS_KERNEL": KERNELS[mode]} if mode in KERNELS else {}
+            done = engine.run(model, out, *args, env={"VLLM_DISABLE_COMPILE_CACHE": "1",
+                                                      **kernel})
             assert done.returncode == 0, done.stderr[-6000:]
             made[mode, block] = out
         return mode, block, made[mode, block]
