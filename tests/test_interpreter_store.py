@@ -207,30 +207,37 @@ def _probe_kernels(root: Path, times: int, step: int, bias: int) -> None:
 
 
 _PROBE_CHILD = """
-import json, sys, types
+import importlib, json, sys
 sys.path.insert(0, sys.argv[1])
 import torch
 from exactness.suite import device
 from exactness.suite.interpreter import replay as interpreter_replay
 from exactness.suite.interpreter import store as interpreter_store
-if sys.argv[2] == "blind":  # planted: code named without its files, no namespace walked
+package, plant, outputs = sys.argv[2], sys.argv[3], int(sys.argv[4])
+if plant == "blind":  # planted: code named without its files, no namespace walked
     interpreter_store._source = lambda module, path: ""
     interpreter_replay._namespace = lambda value: False
-import probe.kernels
-x, y = torch.arange(1, 5, dtype=torch.int32), torch.zeros(12, dtype=torch.int32)
-probe.kernels.kernel[(1,)](x, y, N=4)
+if plant == "blind-constexpr":  # planted: a constexpr named without its value
+    named = interpreter_store.content
+    interpreter_store.content = lambda value, strict, depth=0: (
+        "constexpr" if type(value).__name__ == "constexpr" else named(value, strict, depth))
+kernels = importlib.import_module(package + ".kernels")
+x, y = torch.arange(1, 5, dtype=torch.int32), torch.zeros(4 * outputs, dtype=torch.int32)
+kernels.kernel[(1,)](x, y, N=4)
 print(json.dumps([y.tolist()[::4], interpreter_replay.stats["recalled"]]))
 """
 
 
-def _probe(tmp_path, plant: str) -> list:
-    """[[x*times, x+step, x+bias] at x=1, launches recalled] from a fresh process on the store
-    in tmp_path."""
+def _probe(tmp_path, plant: str, package: str = "probe", outputs: int = 3,
+           env: dict | None = None) -> list:
+    """[the outputs at x=1, launches recalled] of `package`'s kernel, from a fresh process on
+    the store in tmp_path (_probe_kernels: [x*times, x+step, x+bias])."""
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
            "EXACTNESS_DEVICE": "interpret",
-           "PYTHONDONTWRITEBYTECODE": "1"}  # (a .pyc of the same second would be stale)
-    child = subprocess.run([sys.executable, "-c", _PROBE_CHILD, str(tmp_path / "src"), plant],
-                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+           "PYTHONDONTWRITEBYTECODE": "1", **(env or {})}  # (a .pyc of the same second: stale)
+    child = subprocess.run([sys.executable, "-c", _PROBE_CHILD, str(tmp_path / "src"), package,
+                            plant, str(outputs)], cwd=ROOT, env=env, capture_output=True,
+                           text=True, timeout=300)
     assert child.returncode == 0, child.stderr[-2000:]
     return json.loads(child.stdout.splitlines()[-1])
 
@@ -272,44 +279,20 @@ def _env_probe_kernels(root: Path) -> None:
         "    tl.store(y_ptr + N + offs, x + SHIFT)\n")
 
 
-_ENV_PROBE_CHILD = """
-import json, sys
-sys.path.insert(0, sys.argv[1])
-import torch
-from exactness.suite import device
-from exactness.suite.interpreter import replay as interpreter_replay
-from exactness.suite.interpreter import store as interpreter_store
-if sys.argv[2] == "blind":  # planted: a constexpr named without its value
-    named = interpreter_store.content
-    interpreter_store.content = lambda value, strict, depth=0: (
-        "constexpr" if type(value).__name__ == "constexpr" else named(value, strict, depth))
-import envprobe.kernels
-x, y = torch.arange(1, 5, dtype=torch.int32), torch.zeros(8, dtype=torch.int32)
-envprobe.kernels.kernel[(1,)](x, y, N=4)
-print(json.dumps([y.tolist()[::4], interpreter_replay.stats["recalled"]]))
-"""
-
-
-@pytest.mark.parametrize("plant", ["none", "blind"])
+@pytest.mark.parametrize("plant", ["none", "blind-constexpr"])
 def test_a_constexpr_set_from_the_environment_gives_the_next_process_new_bits(tmp_path, plant):
     """Issue 75: a module-level tl.constexpr whose value comes from the environment, its file
     unchanged, is named by its value: the next process with another value computes the new
     bits, never the last process's. Planted: a constexpr named without its value, caught."""
     _env_probe_kernels(tmp_path / "src")
-    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache"),
-           "EXACTNESS_DEVICE": "interpret", "PYTHONDONTWRITEBYTECODE": "1"}
 
     def probe(limit: int) -> list:
-        child = subprocess.run([sys.executable, "-c", _ENV_PROBE_CHILD, str(tmp_path / "src"),
-                                plant], cwd=ROOT, env={**env, "PROBE_LIMIT": str(limit)},
-                               capture_output=True, text=True, timeout=300)
-        assert child.returncode == 0, child.stderr[-2000:]
-        return json.loads(child.stdout.splitlines()[-1])
+        return _probe(tmp_path, plant, "envprobe", 2, {"PROBE_LIMIT": str(limit)})
 
     assert probe(1000) == [[1001, 101], 0]
     assert probe(1000) == [[1001, 101], 1]  # the same value: recalled
     got = probe(2000)
-    if plant == "blind":
+    if plant == "blind-constexpr":
         assert got != [[2001, 201], 0], "the planted blind constexpr was not caught"
         return
     assert got == [[2001, 201], 0]
