@@ -44,11 +44,19 @@ def edit_tensor(model, name: str, change) -> None:
     save_file(tensors, str(shard))
 
 
-def edit_config(model, change) -> None:
+def edit_config(model, change, part=("config_groups", "group_0", "weights")) -> None:
     path = model / "config.json"
     config = json.loads(path.read_text())
-    change(config["quantization_config"]["config_groups"]["group_0"]["weights"])
+    at = config["quantization_config"]
+    for key in part:
+        at = at[key]
+    change(at)
     path.write_text(json.dumps(config))
+
+
+def quantized_shared_experts(model) -> None:
+    edit_config(model, lambda c: c.update(ignore=[i for i in c["ignore"] if "shared" not in i]),
+                part=())
 
 
 def with_inf(t: torch.Tensor) -> torch.Tensor:
@@ -74,6 +82,9 @@ CASES = {
                            "RefusedConfigError", "weights.num_bits = 8, expected 4"),
     "asymmetric scales": (lambda m: edit_config(m, lambda w: w.update(symmetric=False)),
                           "RefusedConfigError", "weights.symmetric = False, expected True"),
+    "a quantized Linear beside the experts": (quantized_shared_experts, "KimiCheckpointError",
+                                              "shared_experts.gate_up_proj: quantized in the "
+                                              "checkpoint"),
 }
 
 
