@@ -2,16 +2,16 @@
 same model with the experts dequantized to bf16, side by side in one run (docs/PERFORMANCE.md).
 
     make bench-vllm BENCH_ARGS='--layers 2 --experts 16'
-    .venv-vllm/bin/python bench/vllm_serving.py [--layers N] [--experts E] [--dir DIR]
+    .venv-vllm/bin/python bench/vllm_serving.py [--layers N] [--experts E] [--rounds R] [--dir D]
 
 The model is Kimi K2's layer at its real sizes (hidden 7168, moe_intermediate 2048, top-8, MLA
 with 64 heads, one shared expert), `--layers` MoE layers deep and `--experts` routed experts
 wide, random weights: the int4 checkpoint in Kimi's format (int4, group 32, bf16 scales), and
 the same experts dequantized to bf16. Each side runs in a process of its own, in vLLM's default
-(compiled) mode: decode tokens/s at batch 1 and 8, and the time to the first token of a
-512-token prompt. The plugin's side also times its MoE calls, the share of a decode step they
-take. Where the CPU has AMX, a third side would be vLLM's own int4 CPU backend (not run here
-where it has none: said so in the table).
+(compiled) mode, the sides in turn for --rounds rounds (medians): decode tokens/s at batch 1
+and 8, and the time to the first token of a 512-token prompt. The plugin's side also times its
+MoE calls, the share of a decode step they take. Where the CPU has AMX, a third side would be
+vLLM's own int4 CPU backend (not run here where it has none: said so in the table).
 """
 
 from __future__ import annotations
@@ -160,6 +160,8 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--experts", type=int, default=16)
     parser.add_argument("--dir", default="/tmp/exactness-vllm-bench")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="each side this many times, the sides in turn: medians")
     parser.add_argument("--side", help=argparse.SUPPRESS)  # internal: one side, as JSON
     args = parser.parse_args()
     if args.side:
@@ -169,17 +171,20 @@ def main() -> None:
     int4, bf16 = write_checkpoints(Path(args.dir), args.layers, args.experts)
     sides = {"exactness (int4, exact)": (int4, "exactness"),
              "vLLM's MoE (bf16 experts)": (bf16, "")}
-    results = {}
-    for label, (model, quantization) in sides.items():
-        done = subprocess.run([sys.executable, __file__, "--side", f"{model},{quantization}"],
-                              capture_output=True, text=True)
-        line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
-        if line is None:
-            sys.exit(f"{label}: failed\n{done.stderr[-4000:]}")
-        results[label] = json.loads(line[len("RESULT "):])
+    rounds = {label: [] for label in sides}
+    for _ in range(args.rounds):  # in turn: the machine's drift falls on both sides alike
+        for label, (model, quantization) in sides.items():
+            done = subprocess.run([sys.executable, __file__, "--side",
+                                   f"{model},{quantization}"], capture_output=True, text=True)
+            line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                sys.exit(f"{label}: failed\n{done.stderr[-4000:]}")
+            rounds[label].append(json.loads(line[len("RESULT "):]))
+    results = {label: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+               for label, runs in rounds.items()}
     plugin, peer = results.values()
     print(f"# vLLM {args.layers} MoE layers x {args.experts} experts (Kimi K2's sizes), "
-          f"{cpu_name()}, {time.strftime('%Y-%m-%d')}\n")
+          f"{cpu_name()}, {time.strftime('%Y-%m-%d')}, medians of {args.rounds} rounds\n")
     print("| side | decode tok/s b=1 | decode tok/s b=8 | TTFT 512 tokens (s) |")
     print("| --- | ---: | ---: | ---: |")
     for label, r in results.items():
@@ -188,7 +193,12 @@ def main() -> None:
     print(f"| ratio exactness / bf16 | {plugin['decode_tok_s_b1'] / peer['decode_tok_s_b1']:.2f}x"
           f" | {plugin['decode_tok_s_b8'] / peer['decode_tok_s_b8']:.2f}x | "
           f"{plugin['ttft_s'] / peer['ttft_s']:.2f}x |")
-    print(f"\nThe plugin's MoE calls take {plugin['moe_share_b1']:.0%} of a decode step at "
+    pairs = list(zip(*rounds.values(), strict=True))
+    b1 = [p["decode_tok_s_b1"] / q["decode_tok_s_b1"] for p, q in pairs]
+    b8 = [p["decode_tok_s_b8"] / q["decode_tok_s_b8"] for p, q in pairs]
+    print(f"\nRound by round, decode exactness / bf16: batch 1 {min(b1):.2f}-{max(b1):.2f}x, "
+          f"batch 8 {min(b8):.2f}-{max(b8):.2f}x.")
+    print(f"The plugin's MoE calls take {plugin['moe_share_b1']:.0%} of a decode step at "
           f"batch 1, {plugin['moe_share_b8']:.0%} at batch 8; the rest is vLLM's (attention, "
           f"router, shared expert, lm_head, sampling).")
     if "amx_int8" not in Path("/proc/cpuinfo").read_text():
