@@ -50,6 +50,11 @@ def stacked_shapes(experts: int, hidden: int, inter: int) -> dict[str, tuple]:
             "w2_scale": (experts, hidden, inter // 32)}
 
 
+def stacked_dtype(key: str) -> torch.dtype:
+    """The format's dtype of a stacked tensor: int32 words, bf16 scales."""
+    return torch.int32 if key.endswith("packed") else torch.bfloat16
+
+
 def check_stacked(tensors: dict[str, torch.Tensor]) -> tuple[int, int, int]:
     """(E, H, I) of the stacked tensors, or a typed error naming the one that disagrees."""
     packed = tensors["w13_packed"]
@@ -57,8 +62,7 @@ def check_stacked(tensors: dict[str, torch.Tensor]) -> tuple[int, int, int]:
         raise ShapeError(f"w13_packed: shape {tuple(packed.shape)}, expected [E, 2 I, H / 8]")
     experts, hidden, inter = packed.shape[0], packed.shape[2] * 8, packed.shape[1] // 2
     for name, shape in stacked_shapes(experts, hidden, inter).items():
-        t = tensors[name]
-        want = torch.int32 if name.endswith("packed") else torch.bfloat16
+        t, want = tensors[name], stacked_dtype(name)
         if t.dtype != want:
             raise ContractTypeError(f"{name}: dtype {t.dtype}, expected {want}")
         if tuple(t.shape) != shape:

@@ -59,6 +59,8 @@ NAME = "exactness"
 BLOCK_ENV, ACT_BITS_ENV = "EXACTNESS_BLOCK", "EXACTNESS_ACT_BITS"
 SHARDS = {"w1": "gate", "w3": "up", "w2": "down"}  # vLLM's shard ids: the checkpoint's names
 KEYS = ("weight_packed", "weight_scale", "weight_shape")
+PARAMS = {"w13_packed": "w13_weight_packed", "w13_scale": "w13_weight_scale",  # stacked's key:
+          "w2_packed": "w2_weight_packed", "w2_scale": "w2_weight_scale"}  # vLLM's parameter
 
 
 class RefusedConfigError(ExactnessError, RuntimeError):
@@ -153,10 +155,8 @@ class ExactMoEMethod(FusedMoEMethodBase):
         attrs = {**extra_weight_attrs, "is_transposed": False, "quant_method": "group",
                  "weight_loader": functools.partial(self._load, layer, loader)}
         shapes = stacked.stacked_shapes(num_experts, hidden_size, inter)
-        for key, name in (("w13_packed", "w13_weight_packed"), ("w13_scale", "w13_weight_scale"),
-                          ("w2_packed", "w2_weight_packed"), ("w2_scale", "w2_weight_scale")):
-            dtype = torch.int32 if key.endswith("packed") else torch.bfloat16  # the format's
-            param = torch.nn.Parameter(torch.empty(shapes[key], dtype=dtype),
+        for key, name in PARAMS.items():  # in the format's dtypes, whatever the model's
+            param = torch.nn.Parameter(torch.empty(shapes[key], dtype=stacked.stacked_dtype(key)),
                                        requires_grad=False)
             layer.register_parameter(name, param)
             set_weight_attrs(param, attrs)
@@ -217,8 +217,7 @@ class ExactMoEMethod(FusedMoEMethodBase):
 
 
 def stacked_tensors(layer) -> dict[str, torch.Tensor]:
-    return {"w13_packed": layer.w13_weight_packed, "w13_scale": layer.w13_weight_scale,
-            "w2_packed": layer.w2_weight_packed, "w2_scale": layer.w2_weight_scale}
+    return {key: getattr(layer, name) for key, name in PARAMS.items()}
 
 
 def check_tensor(name: str, key: str, t: torch.Tensor, shard_id: str, hidden: int,

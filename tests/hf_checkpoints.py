@@ -21,9 +21,10 @@ TINY = dict(vocab_size=256, hidden_size=256, intermediate_size=512, moe_intermed
             max_position_embeddings=128, tie_word_embeddings=False)
 
 
-def tiny_model(seed: int = 0) -> DeepseekV3ForCausalLM:
+def tiny_model(seed: int = 0, fields: dict | None = None) -> DeepseekV3ForCausalLM:
+    """transformers' DeepseekV3 of `fields` (default TINY), bf16, its experts given weights."""
     torch.manual_seed(seed)
-    config = DeepseekV3Config(**TINY)
+    config = DeepseekV3Config(**(fields or TINY))
     model = DeepseekV3ForCausalLM(config).to(torch.bfloat16).eval()
     # the rotary frequencies stay fp32, as they are computed (a cast of the model rounds them)
     model.model.rotary_emb = type(model.model.rotary_emb)(config)

@@ -13,9 +13,8 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
-from tests.hf_checkpoints import checkpoint_tensors
+from tests.hf_checkpoints import checkpoint_tensors, tiny_model
 from tests.kimi_checkpoints import QUANT_CONFIG
 from tests.shards import write_shards
 
@@ -41,13 +40,9 @@ def write(directory: Path, seed: int = 0, tokenizer: bool = True, **overrides) -
     """The checkpoint in `directory` (config.json, shards with an index, the tokenizer)."""
     directory.mkdir(parents=True, exist_ok=True)
     config = {**TINY, **overrides}
-    torch.manual_seed(seed)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(**config)).to(torch.bfloat16).eval()
-    with torch.no_grad():  # transformers leaves the experts and the bias uninitialised
+    model = tiny_model(seed, config)
+    with torch.no_grad():  # transformers leaves the router's bias uninitialised too
         for module in model.modules():
-            if hasattr(module, "gate_up_proj"):
-                module.gate_up_proj.normal_(0, 0.05)
-                module.down_proj.normal_(0, 0.05)
             if hasattr(module, "e_score_correction_bias"):
                 module.e_score_correction_bias.normal_(0, 0.01)
     tensors = checkpoint_tensors(model)

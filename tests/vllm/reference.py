@@ -35,17 +35,20 @@ def experts_bytes(model: Path) -> int:
                if ".experts." in n and n.endswith(("weight_packed", "weight_scale")))
 
 
-def layer_experts(model: Path, layer: int, block: str, act_bits: int = 16) -> ExactExperts:
-    """Layer `layer`'s routed experts as exactness loads them from the checkpoint's files."""
+def layers_experts(model: Path, layers: list[int], block: str,
+                   act_bits: int = 16) -> dict[int, ExactExperts]:
+    """Each of `layers`' routed experts as exactness loads them from the checkpoint's files."""
     config = json.loads((model / "config.json").read_text())
     tensors = checkpoint_tensors(model)
-    prefix = f"model.layers.{layer}.mlp.experts."
-    experts = ExactExperts(config["n_routed_experts"], config["hidden_size"],
-                           config["moe_intermediate_size"], torch.nn.functional.silu, act_bits,
-                           block=block)
-    experts.load_state_dict({n[len(prefix):]: t for n, t in tensors.items()
-                             if n.startswith(prefix)})
-    return experts
+    made = {}
+    for layer in layers:
+        prefix = f"model.layers.{layer}.mlp.experts."
+        made[layer] = ExactExperts(config["n_routed_experts"], config["hidden_size"],
+                                   config["moe_intermediate_size"], torch.nn.functional.silu,
+                                   act_bits, block=block)
+        made[layer].load_state_dict({n[len(prefix):]: t for n, t in tensors.items()
+                                     if n.startswith(prefix)})
+    return made
 
 
 def captures(directory: Path) -> list[dict]:

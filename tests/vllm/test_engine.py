@@ -75,8 +75,7 @@ def test_every_moe_call_in_the_engine_equals_exactness_own_experts(run, model):
     files, on the captured hidden states, ids and weights; in the exact block, also the suite's
     step-by-step Python reference, on each layer's first call."""
     _, block, out = run
-    experts = {layer: reference.layer_experts(model, layer, block)
-               for layer in kimi_tiny.routed_experts_layers()}
+    experts = reference.layers_experts(model, kimi_tiny.routed_experts_layers(), block)
     calls = reference.captures(out / "alone") + reference.captures(out / "mixed")
     layers_seen, stepped = set(), set()
     for call in calls:
