@@ -364,8 +364,4 @@ C_AND_MOE = (
            "(digest, check, machine, _code(check))", "(digest, check, _code(check))",
            "a first-run verdict of one CPU recalled on another",
            (KEYS + "first-run-verdicts-first-run-key--the-cpu-s-flags]",)),
-    Mutant("stacked-fake-in-fp32", at(stacked._fake),
-           "return torch.empty_like(x)", "return torch.empty_like(x, dtype=torch.float32)",
-           "the op's fake sizes a trace's output in another dtype than the op gives",
-           (STACKED + "test_the_stacked_ops_fake_agrees_with_it[5]",)),
 )
